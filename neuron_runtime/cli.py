@@ -1,0 +1,105 @@
+"""``neuron-serve generate`` and ``neuron-serve chat``: the engine from a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from neuron_runtime.async_engine import AsyncEngine
+from neuron_runtime.engine_args import EngineArgs
+from neuron_runtime.sampling_params import SamplingParams
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF folder or .gguf")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _engine(args: argparse.Namespace) -> AsyncEngine:
+    return AsyncEngine.from_engine_args(
+        EngineArgs(
+            model=args.model,
+            max_model_len=args.max_model_len,
+            device=args.device,
+            num_threads=args.num_threads,
+        )
+    )
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+async def _stream(engine: AsyncEngine, prompt: dict | str, params: SamplingParams) -> str:
+    text = []
+    async for output in engine.generate(prompt, params):
+        delta = output.outputs[0].text
+        text.append(delta)
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return "".join(text)
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    engine = _engine(args)
+    try:
+        await _stream(engine, args.prompt, _params(args))
+    finally:
+        engine.shutdown()
+
+
+async def _chat(args: argparse.Namespace) -> None:
+    engine = _engine(args)
+    params = _params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    try:
+        while True:
+            try:
+                user = input("> ")
+            except EOFError:
+                break
+            if user.strip() in {"/exit", "/quit"}:
+                break
+            messages.append({"role": "user", "content": user})
+            ids = engine.tokenizer.encode_chat(messages)
+            reply = await _stream(engine, {"prompt_token_ids": ids}, params)
+            messages.append({"role": "assistant", "content": reply})
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="neuron-serve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt, streaming the text")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    _add_engine_args(chat)
+    chat.add_argument("--system", default=None, help="optional system message")
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(_generate(args) if args.command == "generate" else _chat(args))
+    except ValueError as exc:
+        parser.exit(2, f"error: {exc}\n")
+
+
+if __name__ == "__main__":
+    main()

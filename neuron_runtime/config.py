@@ -1,0 +1,99 @@
+"""Frozen engine configuration, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load: a resolved HF folder and its config.json contents."""
+
+    path: str
+    hf_config: dict[str, Any]
+    max_model_len: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or []
+        return archs[0] if archs else ""
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        head_dim = cfg.get("head_dim")
+        return int(head_dim or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and budget (in blocks or bytes; blocks win)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token-budget continuous batching limits."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs; built by ``EngineArgs.create_engine_config``."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        sched = self.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.model.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({sched.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.model.max_model_len}) so every prompt fits in one step"
+            )

@@ -1,0 +1,161 @@
+"""LLMEngine: the synchronous engine loop (schedule -> execute -> update -> outputs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from neuron_runtime.backends import get_backend
+from neuron_runtime.config import EngineConfig
+from neuron_runtime.engine_args import EngineArgs
+from neuron_runtime.kv_cache import KVCacheManager
+from neuron_runtime.model_runner import ModelRunner
+from neuron_runtime.output_processor import OutputProcessor
+from neuron_runtime.outputs import RequestOutput, RequestOutputKind
+from neuron_runtime.request import Request, RequestStatus
+from neuron_runtime.sampling_params import SamplingParams
+from neuron_runtime.scheduler import Scheduler
+from neuron_runtime.tokenizer import Tokenizer
+
+PromptType = str | list[int] | dict
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load; leak checks compare it with the idle baseline."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_unfinished_outputs: int
+
+
+class LLMEngine:
+    """Owns tokenizer, scheduler, KV cache manager and model runner; steps them together."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.backend = get_backend(config.device, config.num_threads)
+        self.tokenizer = Tokenizer(config.model.path)
+        self.runner = ModelRunner(config, self.backend)
+        block_size = config.cache.block_size
+        capacity = self.runner.num_blocks * block_size
+        if capacity < config.model.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({self.runner.num_blocks} blocks), fewer "
+                f"than max_model_len ({config.model.max_model_len}): raise the KV budget or "
+                "lower max_model_len"
+            )
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> None:
+        """Queues a request; ValueError (nothing queued) when the prompt or params are invalid."""
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, prompt_ids = self._tokenize(prompt)
+        params = self._check_lengths(prompt_ids, params)
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        eos = self.tokenizer.eos_token_id
+        for index, child_id in enumerate(child_ids):
+            child_params = params if params.n == 1 else params.child(index)
+            self.scheduler.add_request(Request(child_id, prompt_ids, child_params, eos))
+        self.output_processor.add(request_id, text, prompt_ids, params, child_ids, kind)
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        result = self.runner.execute(scheduled)
+        updated = self.scheduler.update(scheduled, result.sampled, result.failed)
+        outputs, stopped = self.output_processor.process(updated)
+        for child_id in stopped:
+            self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
+        for request in updated:
+            if request.status.finished:
+                self.runner.release(request.req_id)
+        return outputs
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request wherever it is and frees its blocks; returns its final output."""
+        for child_id in self.output_processor.child_ids(request_id):
+            self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
+            self.runner.release(child_id)
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_total=pool.num_blocks,
+            num_kv_blocks_used=pool.num_used_blocks,
+            num_kv_blocks_free=pool.num_free_blocks,
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_unfinished_outputs=len(self.output_processor.parents),
+        )
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        elif isinstance(prompt, list):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(
+                "prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                "'prompt_token_ids'"
+            )
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {bad[:5]}")
+        return text, ids
+
+    def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        limit = self.max_model_len
+        if len(prompt_ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit}, "
+                "which must leave room for at least one output token"
+            )
+        room = limit - len(prompt_ids)
+        if params.max_tokens is None:
+            return params.replace(max_tokens=room)
+        if params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) + prompt tokens ({len(prompt_ids)}) "
+                f"exceeds max_model_len ({limit})"
+            )
+        return params

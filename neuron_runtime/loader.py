@@ -1,0 +1,70 @@
+"""Read HF checkpoints: config.json and safetensors weights (single file, sharded, or loose)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+from safetensors import safe_open
+
+PathLike = str | os.PathLike[str]
+
+
+class WeightLoadable(Protocol):
+    """A model that takes its weights as HF-named tensors."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def eval(self) -> Any: ...
+
+
+ModelT = TypeVar("ModelT", bound=WeightLoadable)
+
+
+def load_hf_config(path: PathLike) -> dict[str, Any]:
+    """Return the parsed ``config.json`` of the HF model folder ``path``."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path} is not an HF model folder: config.json is missing")
+    return json.loads(config_file.read_text())
+
+
+def iter_weights(path: PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every weight in the folder, floating tensors as float32.
+
+    Tensors are read one at a time, so peak memory is one checkpoint tensor beyond the model.
+    """
+    for shard in _safetensors_files(Path(path)):
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
+                tensor = f.get_tensor(name)
+                yield name, tensor.float() if tensor.is_floating_point() else tensor
+
+
+def load_model(
+    model_cls: Callable[[dict[str, Any]], ModelT], hf_config: dict[str, Any], path: PathLike
+) -> ModelT:
+    """Build ``model_cls(hf_config)``, load the folder's weights into it, return it in eval mode."""
+    model = model_cls(hf_config)
+    model.load_weights(iter_weights(path))
+    model.eval()
+    return model
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        # dict.fromkeys keeps the first-seen shard order while removing duplicates.
+        return [folder / shard for shard in dict.fromkeys(weight_map.values())]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder} (other formats are not supported)")
+    return files

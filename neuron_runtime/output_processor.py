@@ -1,0 +1,161 @@
+"""Engine-side output handling: detokenize, apply stop strings, gather ``n`` samples."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from neuron_runtime.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from neuron_runtime.request import Request, RequestStatus
+from neuron_runtime.sampling_params import SamplingParams
+from neuron_runtime.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+
+@dataclass
+class _Sequence:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    stop: StopChecker | None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    sent_text: int = 0  # chars of text already delivered (DELTA kind)
+    sent_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kind: RequestOutputKind
+    seqs: dict[str, _Sequence]
+    arrival_time: float
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs.values())
+
+
+class OutputProcessor:
+    """Turns per-sequence token updates into per-request ``RequestOutput``s."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, _Parent] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str],
+        kind: RequestOutputKind,
+    ) -> None:
+        seqs = {}
+        for index, child_id in enumerate(child_ids):
+            detok = stop = None
+            if params.detokenize and self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, params.skip_special_tokens
+                )
+                if params.stop:
+                    stop = StopChecker(params.stop, params.include_stop_str_in_output)
+            seqs[child_id] = _Sequence(index, detok, stop)
+            self.child_to_parent[child_id] = request_id
+        self.parents[request_id] = _Parent(
+            request_id, prompt, list(prompt_token_ids), params, kind, seqs, time.monotonic()
+        )
+
+    def process(self, updated: list[Request]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to deliver and the child ids that a stop string ended."""
+        stopped: list[str] = []
+        touched: dict[str, _Parent] = {}
+        now = time.monotonic()
+        for request in updated:
+            parent = self.parents[self.child_to_parent[request.req_id]]
+            seq = parent.seqs[request.req_id]
+            parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
+            if parent.first_token_time is None:
+                parent.first_token_time = now
+            if request.status == RequestStatus.FINISHED_ERROR:
+                parent.error = request.error
+            else:
+                new_tokens = request.all_token_ids[
+                    request.num_prompt_tokens + len(seq.token_ids) :
+                ]
+                seq.token_ids.extend(new_tokens)
+                if seq.detokenizer is not None:
+                    seq.text += seq.detokenizer.update(new_tokens)
+                if seq.stop is not None and not request.status.finished:
+                    cut = seq.stop.check(seq.text)
+                    if cut is not None:
+                        seq.text, seq.stop_reason = cut
+                        request.status = RequestStatus.FINISHED_STOPPED
+                        stopped.append(request.req_id)
+            if request.status.finished:
+                if seq.detokenizer is not None and seq.stop_reason is None:
+                    seq.text += seq.detokenizer.flush()
+                seq.finish_reason = request.finish_reason
+                if seq.stop_reason is None:
+                    seq.stop_reason = request.stop_reason
+            touched[parent.request_id] = parent
+        return [out for p in touched.values() if (out := self._output(p)) is not None], stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Marks every unfinished sequence of the request aborted; returns its final output."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for seq in parent.seqs.values():
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        return self._output(parent)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.seqs) if parent else []
+
+    def _output(self, parent: _Parent) -> RequestOutput | None:
+        finished = parent.finished
+        if parent.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for seq in parent.seqs.values():
+            ready = len(seq.text)
+            if seq.finish_reason is None and seq.stop is not None:
+                ready = seq.stop.safe_length(seq.text)  # might still grow into a stop string
+            if parent.kind == RequestOutputKind.DELTA:
+                text = seq.text[seq.sent_text : max(ready, seq.sent_text)]
+                token_ids = seq.token_ids[seq.sent_tokens :]
+                seq.sent_text = max(ready, seq.sent_text)
+                seq.sent_tokens = len(seq.token_ids)
+            else:
+                text, token_ids = seq.text[:ready], list(seq.token_ids)
+            completions.append(
+                CompletionOutput(seq.index, text, token_ids, seq.finish_reason, seq.stop_reason)
+            )
+        metrics = {"arrival_time": parent.arrival_time}
+        if parent.first_token_time is not None:
+            metrics["first_token_time"] = parent.first_token_time
+        if finished:
+            del self.parents[parent.request_id]
+            for child_id in parent.seqs:
+                del self.child_to_parent[child_id]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=parent.num_cached_tokens,
+            error=parent.error,
+            metrics=metrics,
+        )

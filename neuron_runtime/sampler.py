@@ -1,0 +1,79 @@
+"""Token sampling as pure tensor functions, vectorized over the batch.
+
+Random rows draw with the "exponential race": ``argmax(p / q)`` with ``q ~ Exp(1)`` picks token
+``i`` with probability ``p_i``. Each seeded request draws its ``q`` from its own generator, over
+the full vocabulary, so its tokens do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for one step, as tensors."""
+
+    temperature: torch.Tensor  # [B] float; 0 = greedy
+    top_k: torch.Tensor  # [B] long; 0 = off
+    top_p: torch.Tensor  # [B] float; 1 = off
+    min_p: torch.Tensor  # [B] float; 0 = off
+    generators: list[torch.Generator | None]  # per row; None = the shared generator
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Masks (to -inf) tokens outside each row's top-k and top-p nucleus. logits: [B, V]."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the top one stays).
+    # Rows with top_p = 1 are skipped: the fp32 cumsum reaches 1.0 before the tail does.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes tokens whose probability is below ``min_p`` times the row's top probability."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def exponential_noise(
+    shape: torch.Size, generators: list[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
+    noise = torch.empty(shape, device=device).exponential_()
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    return noise
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Picks one token per row. logits: [B, V] fp32 -> [B] long."""
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy
+    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    logits = logits / temperature.unsqueeze(1)
+    if bool((batch.top_k > 0).any()) or bool((batch.top_p < 1).any()):
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    probs = logits.softmax(dim=-1)
+    if bool((batch.min_p > 0).any()):
+        probs = apply_min_p(probs, batch.min_p)
+    noise = exponential_noise(probs.shape, batch.generators, probs.device)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(batch.temperature > 0, sampled, greedy)

@@ -1,0 +1,172 @@
+"""Token-budget continuous batching with chunked prefill and preemption by recompute."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from neuron_runtime.config import SchedulerConfig
+from neuron_runtime.kv_cache import KVCacheManager
+from neuron_runtime.request import Request, RequestStatus
+from neuron_runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's slice of a step: feed ``token_ids`` at positions from ``start_pos``."""
+
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    # True when this slice ends at the request's last known token, so a new token is sampled.
+    sample: bool
+    params: SamplingParams
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Decides which tokens of which requests run in the next forward pass.
+
+    There is no prefill or decode phase, only a token budget: every request asks for
+    ``num_tokens - num_computed_tokens`` tokens. Running requests are served first (oldest
+    first); waiting ones are admitted while budget, sequence slots and KV blocks last. When a
+    running request cannot get a block, the newest running request is preempted: its blocks
+    are freed and it restarts from its prompt plus the tokens it already produced.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.req_id)
+                if victim is request:
+                    break
+            else:
+                budget -= num_new
+                out.seqs.append(self._slice(request, num_new))
+                i += 1
+                continue
+            break  # the request preempted itself: nothing else can fit either
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            request.num_cached_tokens = self.kv.match_prefix(request)
+            request.num_computed_tokens = request.num_cached_tokens
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget and self.config.enable_chunked_prefill:
+                num_new = budget
+            if num_new > budget or not self.kv.allocate_slots(request, num_new):
+                # A waiting request holds no blocks: keeping its prefix hits would pin memory
+                # that running requests (or the request itself, once preempted) need.
+                self.kv.free(request)
+                request.num_cached_tokens = request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            budget -= num_new
+            out.seqs.append(self._slice(request, num_new))
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _slice(self, request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledSeq(
+            req_id=request.req_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            block_table=list(request.block_table),
+            sample=end == request.num_tokens,
+            params=request.params,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(
+        self, output: SchedulerOutput, sampled: dict[str, int], failed: dict[str, str]
+    ) -> list[Request]:
+        """Advances requests by the step's tokens; returns those that got a token or failed.
+
+        ``sampled`` maps req_id -> new token for each slice that sampled; ``failed`` maps
+        req_id -> error for rows the model could not produce (those requests end with an error).
+        """
+        updated = []
+        for seq in output.seqs:
+            request = self.requests.get(seq.req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if seq.req_id in failed:
+                request.error = failed[seq.req_id]
+                self.finish(seq.req_id, RequestStatus.FINISHED_ERROR)
+                updated.append(request)
+                continue
+            request.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_full_blocks(request)
+            token = sampled.get(seq.req_id)
+            if token is None:
+                continue
+            request.append_token(token)
+            updated.append(request)
+            if request.check_stop(self.max_model_len):
+                self.finish(request.req_id, request.status)
+        return updated
+
+    def finish(self, req_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request (stopped, length, aborted or failed) and frees its blocks."""
+        request = self.requests.pop(req_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        return request
