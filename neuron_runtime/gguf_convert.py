@@ -40,7 +40,7 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> None:
@@ -108,10 +108,11 @@ def _hf_name(gguf_name: str) -> str:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.fullmatch(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
-        # e.g. rope_freqs.weight (Llama-3.1 rope scaling), which HF expresses in config.json.
+        # e.g. rope_freqs.weight (Llama-3.1 rope scaling) or attention biases: refusing beats
+        # writing a checkpoint that silently computes something else.
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent")
-    layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    layer, part = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.weight"
 
 
 def _unpermute_rotary(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -130,9 +131,7 @@ def _unpermute_rotary(weights: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _hf_config(
-    meta: dict[str, Any], vocab_size: int, tie_word_embeddings: bool
-) -> dict[str, Any]:
+def _hf_config(meta: dict[str, Any], vocab_size: int, tie_word_embeddings: bool) -> dict[str, Any]:
     n_head = int(meta["llama.attention.head_count"])
     hidden = int(meta["llama.embedding_length"])
     config: dict[str, Any] = {

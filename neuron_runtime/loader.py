@@ -6,7 +6,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, cast
 
 import torch
 from safetensors import safe_open
@@ -18,11 +18,6 @@ class WeightLoadable(Protocol):
     """A model that takes its weights as HF-named tensors."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
-
-    def eval(self) -> Any: ...
-
-
-ModelT = TypeVar("ModelT", bound=WeightLoadable)
 
 
 def load_hf_config(path: PathLike) -> dict[str, Any]:
@@ -46,13 +41,18 @@ def iter_weights(path: PathLike) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model_cls: Callable[[dict[str, Any]], ModelT], hf_config: dict[str, Any], path: PathLike
-) -> ModelT:
-    """Build ``model_cls(hf_config)``, load the folder's weights into it, return it in eval mode."""
+    model_cls: Callable[[dict[str, Any]], torch.nn.Module],
+    hf_config: dict[str, Any],
+    path: PathLike,
+) -> torch.nn.Module:
+    """Build ``model_cls(hf_config)``, load the folder's weights into it, return it in eval mode.
+
+    The model must implement ``load_weights`` (see ``WeightLoadable``).
+    """
     model = model_cls(hf_config)
-    model.load_weights(iter_weights(path))
-    model.eval()
-    return model
+    # nn.Module declares no load_weights; every model class in neuron_runtime.models has one.
+    cast(WeightLoadable, model).load_weights(iter_weights(path))
+    return model.eval()
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

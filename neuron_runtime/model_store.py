@@ -83,6 +83,10 @@ def _converted(gguf_path: Path, name: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         convert_gguf_to_hf(gguf_path, tmp)
+        # mkdtemp and safetensors create owner-only entries; the cache may be shared.
+        tmp.chmod(0o755)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
         os.rename(tmp, target)
     except OSError:
         if not target.is_dir():

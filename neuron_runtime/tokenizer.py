@@ -17,7 +17,8 @@ class Tokenizer:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         from transformers import AutoTokenizer
 
-        self._hf = AutoTokenizer.from_pretrained(path)
+        # Any: transformers annotates decode and friends with unions of every call form.
+        self._hf: Any = AutoTokenizer.from_pretrained(path)
         # Added tokens flagged special are exactly what decode(skip_special_tokens=True) drops;
         # the named ones (bos, eos, pad, ...) are included for tokenizers that do not flag them.
         self.all_special_ids: set[int] = set(self._hf.all_special_ids) | {

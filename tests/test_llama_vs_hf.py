@@ -54,7 +54,10 @@ def our_prompt_logits(path, token_ids: list[int]) -> torch.Tensor:
 def hf_model(path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Plain greedy for a fixed length: no EOS stopping (min_new_tokens would mask EOS instead).
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -63,7 +66,6 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             torch.tensor([prompt_ids]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
         )
