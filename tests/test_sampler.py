@@ -67,7 +67,7 @@ SETTINGS += [(7, 0.8), (3, 0.3), (20, 0.95)]
 
 def test_top_k_top_p_matches_reference():
     gen = seeded(0)
-    logits = torch.randn(len(SETTINGS), V, generator=gen) * 3
+    logits = torch.randn(len(SETTINGS), V, generator=gen)
     top_k = torch.tensor([k for k, _ in SETTINGS])
     top_p = torch.tensor([p for _, p in SETTINGS])
     masked = apply_top_k_top_p(logits, top_k, top_p)
@@ -82,9 +82,11 @@ def test_top_k_top_p_matches_reference():
 def test_top_k_top_p_reference_is_not_trivial():
     # Guards the test above: the settings must actually keep different amounts.
     gen = seeded(0)
-    logits = torch.randn(len(SETTINGS), V, generator=gen) * 3
-    sizes = {len(ref_keep_top_k_top_p(logits[i].tolist(), k, p)) for i, (k, p) in enumerate(SETTINGS)}
-    assert len(sizes) >= 6
+    logits = torch.randn(len(SETTINGS), V, generator=gen)
+    sizes = {
+        len(ref_keep_top_k_top_p(logits[i].tolist(), k, p)) for i, (k, p) in enumerate(SETTINGS)
+    }
+    assert sizes == {1, 4, 5, 10, 18, 26, 40}
 
 
 def test_top_p_one_keeps_every_token_even_when_one_dominates():

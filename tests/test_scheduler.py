@@ -342,7 +342,9 @@ def run_to_end(sched: Scheduler, tokens: list[int]) -> None:
             return
         out = sched.schedule()
         sampled = {
-            s.req_id: tokens[sched.requests[s.req_id].num_output_tokens] for s in out.seqs if s.sample
+            s.req_id: tokens[sched.requests[s.req_id].num_output_tokens]
+            for s in out.seqs
+            if s.sample
         }
         sched.update(out, sampled, {})
     raise AssertionError("did not finish")
