@@ -145,14 +145,17 @@ class KVCacheManager:
                 break
             hits.append((block_hash, block))
             parent = block_hash
-        self.prefix_cache_queries += request.num_tokens
         for block_hash, block in hits:
             self.pool.touch(block)
             request.block_table.append(block.block_id)
             request.block_hashes.append(block_hash)
-        num_hit = len(hits) * self.block_size
-        self.prefix_cache_hits += num_hit
-        return num_hit
+        return len(hits) * self.block_size
+
+    def record_admission(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admitted lookup (retries of a request that did not fit are not counted)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_prompt_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Ensures blocks for ``num_computed_tokens + num_new_tokens`` tokens; False if full."""

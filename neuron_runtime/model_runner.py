@@ -99,6 +99,9 @@ class ModelRunner:
         if not sample_seqs:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])  # [S, V]
+        for row, seq in enumerate(sample_seqs):
+            if seq.banned_token_ids:
+                logits[row, seq.banned_token_ids] = float("-inf")
         tokens = sample(logits, self._sampling_batch(sample_seqs)).tolist()
         bad = torch.isnan(logits).any(dim=-1).tolist()
         for seq, token, is_bad in zip(sample_seqs, tokens, bad, strict=True):

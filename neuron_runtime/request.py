@@ -85,6 +85,16 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
+    def banned_token_ids(self) -> list[int]:
+        """EOS and stop tokens may not be sampled until ``min_tokens`` are out."""
+        params = self.params
+        if self.num_output_tokens >= params.min_tokens:
+            return []
+        banned = list(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            banned.append(self.eos_token_id)
+        return banned
+
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 

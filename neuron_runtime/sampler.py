@@ -59,7 +59,8 @@ def exponential_noise(
     for row, gen in enumerate(generators):
         if gen is not None:
             noise[row].exponential_(generator=gen)
-    return noise
+    # A zero draw would turn p / q into inf or NaN; the floor changes nothing measurable.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

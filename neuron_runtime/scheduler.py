@@ -23,6 +23,8 @@ class ScheduledSeq:
     # True when this slice ends at the request's last known token, so a new token is sampled.
     sample: bool
     params: SamplingParams
+    # Tokens the sampler must not pick (EOS and stop tokens until min_tokens are out).
+    banned_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -99,6 +101,7 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            self.kv.record_admission(request.num_tokens, request.num_cached_tokens)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -119,6 +122,7 @@ class Scheduler:
             block_table=list(request.block_table),
             sample=end == request.num_tokens,
             params=request.params,
+            banned_token_ids=request.banned_token_ids(),
         )
 
     def _preempt(self, request: Request) -> None:
