@@ -8,6 +8,7 @@ blocks on a forward pass (torch releases the GIL while it computes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -175,7 +176,6 @@ class AsyncEngine:
         final = isinstance(item, BaseException) or item.finished
         if final:
             del self._sinks[request_id]
-        try:
+        # A RuntimeError means the caller's event loop is closed: nobody is listening.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(sink.put_nowait, item)
-        except RuntimeError:
-            pass  # the caller's event loop is closed: nobody is listening

@@ -12,7 +12,9 @@ from neuron_runtime.sampling_params import SamplingParams
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF folder or .gguf")
+    parser.add_argument(
+        "--model", default="smollm2-135m-instruct", help="alias, HF folder or .gguf"
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--num-threads", type=int, default=None)

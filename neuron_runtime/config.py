@@ -91,7 +91,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         sched = self.scheduler
-        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.model.max_model_len:
+        if (
+            not sched.enable_chunked_prefill
+            and sched.max_num_batched_tokens < self.model.max_model_len
+        ):
             raise ValueError(
                 "without chunked prefill, max_num_batched_tokens "
                 f"({sched.max_num_batched_tokens}) must be >= max_model_len "

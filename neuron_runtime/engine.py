@@ -77,7 +77,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = self._tokenize(prompt)
         params = self._check_lengths(prompt_ids, params)
-        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        child_ids = (
+            [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        )
         eos = self.tokenizer.eos_token_id
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.child(index)

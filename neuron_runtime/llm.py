@@ -69,10 +69,7 @@ class LLM:
         """Applies the model's chat template to one conversation or a list of them."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.engine.tokenizer
-        prompts = [
-            {"prompt_token_ids": tokenizer.encode_chat(conv)}
-            for conv in conversations
-        ]
+        prompts = [{"prompt_token_ids": tokenizer.encode_chat(conv)} for conv in conversations]
         return self.generate(prompts, sampling_params)
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:

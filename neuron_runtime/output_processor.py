@@ -88,9 +88,7 @@ class OutputProcessor:
             if request.status == RequestStatus.FINISHED_ERROR:
                 parent.error = request.error
             else:
-                new_tokens = request.all_token_ids[
-                    request.num_prompt_tokens + len(seq.token_ids) :
-                ]
+                new_tokens = request.all_token_ids[request.num_prompt_tokens + len(seq.token_ids) :]
                 seq.token_ids.extend(new_tokens)
                 if seq.detokenizer is not None:
                     seq.text += seq.detokenizer.update(new_tokens)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 
@@ -49,7 +49,9 @@ class SamplingParams:
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k}")
+            raise ValueError(
+                f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k}"
+            )
         if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and (

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from neuron_runtime.layers.attention import AttentionMetadata, paged_attention
+from neuron_runtime.layers.logits import LogitsHead
 from neuron_runtime.layers.norm import RMSNorm
 from neuron_runtime.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -141,6 +142,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.logits_head = LogitsHead()
 
     def forward(
         self,
@@ -151,9 +153,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.logits_head(hidden, self.lm_head_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -165,12 +170,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target, shard = self._target(name)
             if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
             param = params[target]
-            if shard is None:
-                dest = param.data
-            else:
-                dest = self._shard_view(target, param.data, shard)
+            data = param.data
+            dest = data if shard is None else self._shard_view(target, data, shard)
             if dest.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -182,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+        self.logits_head.refresh(self.lm_head_weight)
 
     def _target(self, name: str) -> tuple[str, int | None]:
         for hf_name, (ours, shard) in self.stacked_params.items():
