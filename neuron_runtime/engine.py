@@ -90,7 +90,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         result = self.runner.execute(scheduled)
         updated = self.scheduler.update(scheduled, result.sampled, result.failed)
-        outputs, stopped = self.output_processor.process(updated)
+        outputs, stopped = self.output_processor.process(updated, result.logprobs)
         for child_id in stopped:
             self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
         for request in updated:

@@ -15,7 +15,7 @@ from neuron_runtime.config import EngineConfig
 from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice
 from neuron_runtime.loader import load_model
 from neuron_runtime.models.registry import model_class
-from neuron_runtime.sampler import SamplingBatch, sample
+from neuron_runtime.sampler import SamplingBatch, sample, top_logprobs
 from neuron_runtime.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -23,6 +23,8 @@ from neuron_runtime.scheduler import ScheduledSeq, SchedulerOutput
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # req_id -> new token
     failed: dict[str, str] = field(default_factory=dict)  # req_id -> error message
+    # req_id -> {token id: logprob}: the sampled token and the top ``logprobs`` tokens
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(config: EngineConfig) -> int:
@@ -100,10 +102,19 @@ class ModelRunner:
             return result
         last_hidden = hidden[sample_rows]  # [S, H]
         logits = self.model.compute_logits(last_hidden)  # [S, V]
-        for row, seq in enumerate(sample_seqs):
-            if seq.banned_token_ids:
-                logits[row, seq.banned_token_ids] = float("-inf")
-        tokens = sample(logits, self._sampling_batch(sample_seqs)).tolist()
+        raw_logits = logits
+        banned = [
+            (row, s.banned_token_ids) for row, s in enumerate(sample_seqs) if s.banned_token_ids
+        ]
+        if banned:
+            logits = logits.clone()
+            for row, ids in banned:
+                logits[row, ids] = float("-inf")
+        token_tensor = sample(logits, self._sampling_batch(sample_seqs))
+        tokens = token_tensor.tolist()
+        num_top = max((s.params.logprobs or 0) for s in sample_seqs)
+        if any(s.params.logprobs is not None for s in sample_seqs):
+            result.logprobs = self._logprobs(sample_seqs, raw_logits, token_tensor, num_top)
         # NaN anywhere in a row's hidden state poisons all its logits; checking H values per
         # row instead of V is 85x less work.
         bad = torch.isnan(last_hidden).any(dim=-1).tolist()
@@ -113,6 +124,24 @@ class ModelRunner:
             else:
                 result.sampled[seq.req_id] = token
         return result
+
+    def _logprobs(
+        self,
+        seqs: list[ScheduledSeq],
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        num_top: int,
+    ) -> dict[str, dict[int, float]]:
+        sampled, top_ids, top_values = top_logprobs(logits, tokens, max(num_top, 1))
+        out = {}
+        for row, seq in enumerate(seqs):
+            n = seq.params.logprobs
+            if n is None:
+                continue
+            entry = dict(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True))
+            entry[int(tokens[row])] = float(sampled[row])
+            out[seq.req_id] = entry
+        return out
 
     def _metadata(
         self,

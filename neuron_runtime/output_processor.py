@@ -22,6 +22,8 @@ class _Sequence:
     sent_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
 
 
 @dataclass
@@ -68,13 +70,18 @@ class OutputProcessor:
                 )
                 if params.stop:
                     stop = StopChecker(params.stop, params.include_stop_str_in_output)
-            seqs[child_id] = _Sequence(index, detok, stop)
+            seq = _Sequence(index, detok, stop)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            seqs[child_id] = seq
             self.child_to_parent[child_id] = request_id
         self.parents[request_id] = _Parent(
             request_id, prompt, list(prompt_token_ids), params, kind, seqs, time.monotonic()
         )
 
-    def process(self, updated: list[Request]) -> tuple[list[RequestOutput], list[str]]:
+    def process(
+        self, updated: list[Request], logprobs: dict[str, dict[int, float]]
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs to deliver and the child ids that a stop string ended."""
         stopped: list[str] = []
         touched: dict[str, _Parent] = {}
@@ -90,6 +97,10 @@ class OutputProcessor:
             else:
                 new_tokens = request.all_token_ids[request.num_prompt_tokens + len(seq.token_ids) :]
                 seq.token_ids.extend(new_tokens)
+                entry = logprobs.get(request.req_id)
+                if seq.logprobs is not None and entry is not None:
+                    seq.logprobs.append(entry)
+                    seq.cumulative_logprob += entry[new_tokens[-1]]
                 if seq.detokenizer is not None:
                     seq.text += seq.detokenizer.update(new_tokens)
                 if seq.stop is not None and not request.status.finished:
@@ -130,15 +141,23 @@ class OutputProcessor:
             ready = len(seq.text)
             if seq.finish_reason is None and seq.stop is not None:
                 ready = seq.stop.safe_length(seq.text)  # might still grow into a stop string
+            first = seq.sent_tokens if parent.kind == RequestOutputKind.DELTA else 0
             if parent.kind == RequestOutputKind.DELTA:
                 text = seq.text[seq.sent_text : max(ready, seq.sent_text)]
-                token_ids = seq.token_ids[seq.sent_tokens :]
                 seq.sent_text = max(ready, seq.sent_text)
                 seq.sent_tokens = len(seq.token_ids)
             else:
-                text, token_ids = seq.text[:ready], list(seq.token_ids)
+                text = seq.text[:ready]
             completions.append(
-                CompletionOutput(seq.index, text, token_ids, seq.finish_reason, seq.stop_reason)
+                CompletionOutput(
+                    seq.index,
+                    text,
+                    seq.token_ids[first:],
+                    seq.finish_reason,
+                    seq.stop_reason,
+                    logprobs=None if seq.logprobs is None else seq.logprobs[first:],
+                    cumulative_logprob=None if seq.logprobs is None else seq.cumulative_logprob,
+                )
             )
         metrics = {"arrival_time": parent.arrival_time}
         if parent.first_token_time is not None:

@@ -21,6 +21,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Per output token: {token id: logprob} for the sampled token and the top-N (if asked).
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

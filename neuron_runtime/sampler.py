@@ -78,3 +78,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     noise = exponential_noise(probs.shape, batch.generators, probs.device)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(batch.temperature > 0, sampled, greedy)
+
+
+def top_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the model's distribution (before sampling settings).
+
+    Returns (sampled [B], top ids [B, num_top], top logprobs [B, num_top]).
+    """
+    logprobs = logits.log_softmax(dim=-1)
+    sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    return sampled, top_ids, top_values
