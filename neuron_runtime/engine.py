@@ -124,6 +124,7 @@ class LLMEngine:
         )
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text: str | None
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:

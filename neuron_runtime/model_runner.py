@@ -7,6 +7,7 @@ to buckets in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         cls = model_class(config.model.architecture)
         model = load_model(cls, config.model.hf_config, config.model.path)
-        self.model = backend.prepare_model(model)
+        self.model: Any = backend.prepare_model(model)
         self.num_blocks = config.cache.num_blocks or max(
             1, config.cache.kv_cache_bytes // kv_bytes_per_block(config)
         )

@@ -54,6 +54,8 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, params)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", angles.cos().float(), persistent=False)  # [P, d/2]
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 

@@ -100,9 +100,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
-        attn = self.layers[0].self_attn
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         self.rotary = RotaryEmbedding(
-            attn.head_dim, cfg.get("max_position_embeddings", 4096), rope_parameters(cfg)
+            head_dim, cfg.get("max_position_embeddings", 4096), rope_parameters(cfg)
         )
 
     def forward(
@@ -114,9 +114,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions)
-        residual = None
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rope, kv_cache, meta)
+        assert residual is not None
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 
@@ -196,16 +197,19 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
     def _shard_view(self, target: str, data: torch.Tensor, shard: int) -> torch.Tensor:
+        cfg = self.config
         if ".qkv_proj." in target:
-            attn = self.model.layers[0].self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+            heads = cfg["num_attention_heads"]
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+            kv_size = (cfg.get("num_key_value_heads") or heads) * head_dim
+            sizes = [heads * head_dim, kv_size, kv_size]
         else:
-            sizes = [self.model.layers[0].mlp.intermediate_size] * 2
+            sizes = [cfg["intermediate_size"]] * 2
         start = sum(sizes[:shard])
         return data[start : start + sizes[shard]]
 
     def _expected_keys(self, params: dict[str, nn.Parameter]) -> set[str]:
-        expected = set()
+        expected: set[str] = set()
         for name in params:
             if ".qkv_proj." in name:
                 expected.update(f"{name}#{i}" for i in range(3))
