@@ -16,7 +16,14 @@ from neuron_runtime.config import EngineConfig
 from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice
 from neuron_runtime.loader import load_model
 from neuron_runtime.models.registry import model_class
-from neuron_runtime.sampler import SamplingBatch, sample, top_logprobs
+from neuron_runtime.sampler import (
+    SamplingBatch,
+    apply_logit_bias,
+    apply_penalties,
+    sample,
+    token_counts,
+    top_logprobs,
+)
 from neuron_runtime.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -104,11 +111,12 @@ class ModelRunner:
         last_hidden = hidden[sample_rows]  # [S, H]
         logits = self.model.compute_logits(last_hidden)  # [S, V]
         raw_logits = logits
+        logits = self._process_logits(sample_seqs, logits)
         banned = [
             (row, s.banned_token_ids) for row, s in enumerate(sample_seqs) if s.banned_token_ids
         ]
         if banned:
-            logits = logits.clone()
+            logits = logits.clone() if logits is raw_logits else logits
             for row, ids in banned:
                 logits[row, ids] = float("-inf")
         token_tensor = sample(logits, self._sampling_batch(sample_seqs))
@@ -125,6 +133,22 @@ class ModelRunner:
             else:
                 result.sampled[seq.req_id] = token
         return result
+
+    def _process_logits(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+        """Penalties and logit_bias; returns ``logits`` itself when no row asks for them."""
+        if any(s.params.has_penalties for s in seqs):
+            vocab, dev = logits.shape[-1], self.device
+            logits = apply_penalties(
+                logits,
+                token_counts([s.prompt_token_ids for s in seqs], vocab, dev),
+                token_counts([s.output_token_ids for s in seqs], vocab, dev),
+                torch.tensor([s.params.presence_penalty for s in seqs], device=dev),
+                torch.tensor([s.params.frequency_penalty for s in seqs], device=dev),
+                torch.tensor([s.params.repetition_penalty for s in seqs], device=dev),
+            )
+        if any(s.params.logit_bias for s in seqs):
+            logits = apply_logit_bias(logits, [s.params.logit_bias for s in seqs])
+        return logits
 
     def _logprobs(
         self,
@@ -160,16 +184,16 @@ class ModelRunner:
             ]
             context_lens = torch.tensor([s.start_pos + 1 for s in decodes], device=dev)
             key_pos = torch.arange(max_blocks * self.block_size, device=dev)
-            decode_mask = (key_pos.unsqueeze(0) < context_lens.unsqueeze(1)).unsqueeze(1)
+            decode_masked = (key_pos.unsqueeze(0) >= context_lens.unsqueeze(1)).unsqueeze(1)
             block_ids = torch.tensor(table, device=dev).flatten()
         else:
-            decode_mask = torch.empty(0, 1, 0, dtype=torch.bool, device=dev)
+            decode_masked = torch.empty(0, 1, 0, dtype=torch.bool, device=dev)
             block_ids = torch.empty(0, dtype=torch.long, device=dev)
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),
             num_decode=num_decode,
             decode_block_ids=block_ids,
-            decode_mask=decode_mask,
+            decode_masked=decode_masked,
             prefills=prefills,
         )
 

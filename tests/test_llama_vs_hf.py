@@ -35,15 +35,17 @@ def our_prompt_logits(path, token_ids: list[int]) -> torch.Tensor:
     heads = cfg["num_key_value_heads"]
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     caches = [
-        (torch.zeros(heads, num_blocks, block_size, head_dim),
-         torch.zeros(heads, num_blocks, block_size, head_dim))
+        (
+            torch.zeros(heads, num_blocks, block_size, head_dim),
+            torch.zeros(heads, num_blocks, block_size, head_dim),
+        )
         for _ in range(cfg["num_hidden_layers"])
     ]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n),
         num_decode=0,
         decode_block_ids=torch.empty(0, dtype=torch.long),
-        decode_mask=torch.empty(0, 1, 0, dtype=torch.bool),
+        decode_masked=torch.empty(0, 1, 0, dtype=torch.bool),
         prefills=[PrefillSlice(0, n, 0, torch.arange(num_blocks))],
     )
     with torch.inference_mode():

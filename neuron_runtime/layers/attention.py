@@ -35,7 +35,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: flat cache slot of each token
     num_decode: int
     decode_block_ids: torch.Tensor  # [B * max_blocks] long, block tables flattened
-    decode_mask: torch.Tensor  # [B, 1, L] bool: key j is visible to sequence b
+    decode_masked: torch.Tensor  # [B, 1, L] bool: key j is NOT visible to sequence b
     prefills: list[PrefillSlice]
 
 
@@ -75,7 +75,7 @@ def paged_attention(
         # Query heads of one KV head form a group: [B, qh, d] -> [kvh, B, group, d].
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim).transpose(0, 1)
         scores = torch.matmul(qd, keys.transpose(-1, -2)) * scale  # [kvh, B, group, L]
-        scores.masked_fill_(~meta.decode_mask, float("-inf"))
+        scores.masked_fill_(meta.decode_masked, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[:nd] = torch.matmul(probs, values).transpose(0, 1).reshape(nd, num_heads, head_dim)
 

@@ -42,12 +42,12 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
+        # q and k heads are adjacent: rotate them in one call.
+        qk = apply_rotary(qkv[:, : heads + kv_heads], *rope)
+        q, k = qk.split([heads, kv_heads], dim=1)
+        v = qkv[:, heads + kv_heads :]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out)
 
