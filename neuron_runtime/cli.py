@@ -58,16 +58,17 @@ async def _stream(engine: AsyncEngine, prompt: dict | str, params: SamplingParam
 
 
 async def _generate(args: argparse.Namespace) -> None:
+    params = _params(args)
     engine = _engine(args)
     try:
-        await _stream(engine, args.prompt, _params(args))
+        await _stream(engine, args.prompt, params)
     finally:
         engine.shutdown()
 
 
 async def _chat(args: argparse.Namespace) -> None:
-    engine = _engine(args)
     params = _params(args)
+    engine = _engine(args)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
