@@ -9,6 +9,7 @@ like vLLM's::
 """
 
 from neuron_runtime.async_engine import AsyncEngine, EngineDeadError
+from neuron_runtime.embedding import EmbeddingEngine
 from neuron_runtime.engine import EngineStats, LLMEngine
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.llm import LLM
@@ -19,6 +20,7 @@ __all__ = [
     "LLM",
     "AsyncEngine",
     "CompletionOutput",
+    "EmbeddingEngine",
     "EngineArgs",
     "EngineDeadError",
     "EngineStats",

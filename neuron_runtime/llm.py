@@ -1,11 +1,12 @@
-"""LLM: the offline API (``generate``, ``chat``), like ``vllm.LLM``."""
+"""LLM: the offline API (``generate``, ``chat``, ``embed``), like ``vllm.LLM``."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
+from neuron_runtime.embedding import EmbeddingEngine, EmbeddingResult
 from neuron_runtime.engine import LLMEngine, PromptType
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.outputs import RequestOutput, RequestOutputKind
@@ -19,14 +20,43 @@ class LLM:
 
     >>> llm = LLM(model="smollm2-135m-instruct")
     >>> llm.generate("The capital of France is", SamplingParams(max_tokens=8))
+
+    With ``task="embed"`` it wraps an EmbeddingEngine instead (``engine_args`` go to it):
+
+    >>> LLM(model="all-minilm-l6-v2", task="embed").embed(["A cat."]).embeddings.shape
+    (1, 384)
     """
 
-    def __init__(self, model: str = "smollm2-135m-instruct", **engine_args: Any) -> None:
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+    def __init__(
+        self,
+        model: str = "smollm2-135m-instruct",
+        task: Literal["generate", "embed"] = "generate",
+        **engine_args: Any,
+    ) -> None:
+        if task not in ("generate", "embed"):
+            raise ValueError(f"task must be 'generate' or 'embed', got {task!r}")
+        self.task = task
         self._ids = itertools.count()
+        if task == "embed":
+            self.embedding_engine = EmbeddingEngine(model, **engine_args)
+        else:
+            self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
 
     def get_tokenizer(self):  # noqa: ANN201 - the Tokenizer wrapper
+        if self.task == "embed":
+            return self.embedding_engine.tokenizer
         return self.engine.tokenizer
+
+    def embed(
+        self,
+        texts: str | Sequence[str] | Sequence[Sequence[int]],
+        normalize: bool = True,
+        truncate: bool = False,
+    ) -> EmbeddingResult:
+        """One embedding row per text (or token id list), in input order."""
+        self._require_task("embed", "embed")
+        inputs = [texts] if isinstance(texts, str) else texts
+        return self.embedding_engine.embed(inputs, normalize=normalize, truncate=truncate)
 
     def generate(
         self,
@@ -34,6 +64,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order."""
+        self._require_task("generate", "generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif prompts and isinstance(prompts, list) and isinstance(prompts[0], int):
@@ -67,10 +98,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them."""
+        self._require_task("generate", "chat")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.engine.tokenizer
         prompts = [{"prompt_token_ids": tokenizer.encode_chat(conv)} for conv in conversations]
         return self.generate(prompts, sampling_params)
+
+    def _require_task(self, task: str, method: str) -> None:
+        if self.task != task:
+            raise ValueError(
+                f"LLM.{method}() needs an LLM built with task={task!r}; this one has "
+                f"task={self.task!r}"
+            )
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

