@@ -37,6 +37,7 @@ class _Parent:
     arrival_time: float
     num_cached_tokens: int = 0
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
     error: str | None = None
 
     @property
@@ -92,6 +93,7 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
             if parent.first_token_time is None:
                 parent.first_token_time = now
+                parent.first_scheduled_time = request.first_scheduled_time
             if request.status == RequestStatus.FINISHED_ERROR:
                 parent.error = request.error
             else:
@@ -103,12 +105,8 @@ class OutputProcessor:
                     seq.cumulative_logprob += entry[new_tokens[-1]]
                 if seq.detokenizer is not None:
                     seq.text += seq.detokenizer.update(new_tokens)
-                if seq.stop is not None and not request.status.finished:
-                    cut = seq.stop.check(seq.text)
-                    if cut is not None:
-                        seq.text, seq.stop_reason = cut
-                        request.status = RequestStatus.FINISHED_STOPPED
-                        stopped.append(request.req_id)
+                if seq.stop is not None:
+                    self._check_stop_strings(request, seq, stopped)
             if request.status.finished:
                 if seq.detokenizer is not None and seq.stop_reason is None:
                     seq.text += seq.detokenizer.flush()
@@ -117,6 +115,21 @@ class OutputProcessor:
                     seq.stop_reason = request.stop_reason
             touched[parent.request_id] = parent
         return [out for p in touched.values() if (out := self._output(p)) is not None], stopped
+
+    @staticmethod
+    def _check_stop_strings(request: Request, seq: _Sequence, stopped: list[str]) -> None:
+        assert seq.stop is not None
+        if request.num_output_tokens <= request.params.min_tokens:
+            seq.stop.skip(seq.text)  # text before min_tokens is out never stops the request
+            return
+        cut = seq.stop.check(seq.text)
+        if cut is None:
+            return
+        seq.text, seq.stop_reason = cut
+        if not request.status.finished:
+            stopped.append(request.req_id)  # the engine still has to end it
+        # Also when the same token hit max_tokens: the stop string explains the end.
+        request.status = RequestStatus.FINISHED_STOPPED
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Marks every unfinished sequence of the request aborted; returns its final output."""
@@ -162,6 +175,8 @@ class OutputProcessor:
         metrics = {"arrival_time": parent.arrival_time}
         if parent.first_token_time is not None:
             metrics["first_token_time"] = parent.first_token_time
+        if parent.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = parent.first_scheduled_time
         if finished:
             del self.parents[parent.request_id]
             for child_id in parent.seqs:

@@ -180,6 +180,10 @@ class StopChecker:
         end = index + len(stop_str) if self.include_stop_str_in_output else index
         return text[:end], stop_str
 
+    def skip(self, text: str) -> None:
+        """Marks ``text`` as searched without looking for stop strings in it."""
+        self._checked_len = len(text)
+
     def safe_length(self, text: str) -> int:
         """How much of ``text`` may be streamed now.
 
