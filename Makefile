@@ -45,9 +45,10 @@ bench: model
 
 # The whole application on a local Ray cluster that `serve run` starts and stops itself.
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (exported above) makes Ray bind GCS, raylet, workers and
-# the dashboard to 127.0.0.1; serve_config.yaml binds the HTTP proxy to 127.0.0.1:8000.
+# the dashboard (ray.init defaults it to the local IP) to 127.0.0.1; serve_config.yaml binds
+# the HTTP proxy to 127.0.0.1:8000.
 serve: model
-	RAY_DASHBOARD_HOST=127.0.0.1 $(VENV)/bin/serve run serve_config.yaml
+	$(VENV)/bin/serve run serve_config.yaml
 
 # Load against a running `make serve` (127.0.0.1:8000) and the engine in-process, side by side.
 bench-serve: model

@@ -77,6 +77,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = self._tokenize(prompt)
         params = self._check_lengths(prompt_ids, params)
+        vocab = self.config.model.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         )

@@ -27,6 +27,49 @@ class SamplingBatch:
         return bool((self.temperature == 0).all())
 
 
+def token_counts(token_ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each row's list: [B, V] float."""
+    counts = torch.zeros(len(token_ids), vocab, device=device)
+    lengths = torch.tensor([len(ids) for ids in token_ids], device=device)
+    rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)
+    cols = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long, device=device)
+    counts.index_put_((rows, cols), torch.ones_like(cols, dtype=counts.dtype), accumulate=True)
+    return counts
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_counts: torch.Tensor,
+    output_counts: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties. logits, prompt_counts, output_counts: [B, V]; the penalties: [B].
+
+    repetition (on prompt and output tokens): positive logits / r, negative ones * r;
+    frequency: minus f per occurrence in the output; presence: minus p once if in the output.
+    """
+    seen = (prompt_counts > 0) | (output_counts > 0)
+    factor = torch.where(seen, repetition.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / factor, logits * factor)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
+    """Adds each row's {token id: bias} to its logits. logits: [B, V]."""
+    rows = [row for row, bias in enumerate(biases) for _ in (bias or {})]
+    cols = [token for bias in biases for token in (bias or {})]
+    values = [value for bias in biases for value in (bias or {}).values()]
+    index = (
+        torch.tensor(rows, device=logits.device),
+        torch.tensor(cols, dtype=torch.long, device=logits.device),
+    )
+    values_t = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    return logits.index_put(index, values_t, accumulate=True)
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence/frequency penalties live in [-2, 2], as in OpenAI's API
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -34,6 +36,14 @@ class SamplingParams:
     detokenize: bool = True
     # Log-probabilities of the sampled token plus this many top tokens, per output token.
     logprobs: int | None = None
+    # Penalties on tokens already seen: presence/frequency subtract from the logits of output
+    # tokens (once / per occurrence); repetition (> 1 discourages) divides positive logits and
+    # multiplies negative ones of prompt and output tokens, as in vLLM.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # token id -> value added to its logit before sampling.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,10 +90,35 @@ class SamplingParams:
             )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id!r}")
+            if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                    f"got {bias} for token {token_id}"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when sampling needs the tokens seen so far (any penalty is not neutral)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     def child(self, index: int) -> SamplingParams:
         """Params for the index-th of ``n`` parallel samples: n=1, seed offset by the index."""

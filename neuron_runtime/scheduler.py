@@ -25,6 +25,9 @@ class ScheduledSeq:
     params: SamplingParams
     # Tokens the sampler must not pick (EOS and stop tokens until min_tokens are out).
     banned_token_ids: list[int] = field(default_factory=list)
+    # The tokens penalties look at; filled only when the params carry a penalty.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -115,6 +118,7 @@ class Scheduler:
     def _slice(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         end = start + num_new
+        penalized = request.params.has_penalties
         return ScheduledSeq(
             req_id=request.req_id,
             token_ids=request.all_token_ids[start:end],
@@ -123,6 +127,8 @@ class Scheduler:
             sample=end == request.num_tokens,
             params=request.params,
             banned_token_ids=request.banned_token_ids(),
+            prompt_token_ids=request.prompt_token_ids if penalized else [],
+            output_token_ids=request.output_token_ids if penalized else [],
         )
 
     def _preempt(self, request: Request) -> None:

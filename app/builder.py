@@ -1,0 +1,86 @@
+"""The application builder that ``serve run serve_config.yaml`` imports (``app.builder:build_app``).
+
+Arguments come from the config's ``args`` and are validated here: unknown keys are an error.
+Deployment sizing (replicas, CPUs, queue limits) lives in serve_config.yaml's ``deployments``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray.serve import Application
+
+from app.ingress import OpenAIIngress
+from deployments.embedding import EmbeddingServer
+from deployments.llm_server import LLMServer
+from neuron_runtime.engine_args import EngineArgs
+
+_ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+class BuildArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "smollm2-135m-instruct"
+    served_model_name: str | None = None
+    max_model_len: int = Field(2048, ge=16)
+    # Further EngineArgs fields (num_kv_blocks, max_num_seqs, ...); unknown names are rejected.
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    embedding_model: str | None = "all-minilm-l6-v2"
+    # Falls back to $NEURON_SERVE_API_KEY; no key means no authentication.
+    api_key: str | None = None
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_n: int = Field(8, ge=1)
+    max_prompts: int = Field(16, ge=1)
+    health_stall_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("engine_args")
+    @classmethod
+    def _known_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(value) - _ENGINE_ARG_NAMES
+        reserved = set(value) & {"model", "max_model_len", "num_threads"}
+        if unknown:
+            raise ValueError(f"unknown engine_args: {sorted(unknown)}")
+        if reserved:
+            raise ValueError(f"set {sorted(reserved)} at the top level, not in engine_args")
+        return value
+
+    def full_engine_args(self) -> dict[str, Any]:
+        return {
+            **self.engine_args,
+            "model": self.model,
+            "max_model_len": self.max_model_len,
+            "num_threads": 1,
+        }
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """``import_path`` target: validated args -> the ingress bound to its deployments."""
+    return build_openai_app(BuildArgs(**(args or {})))
+
+
+def build_openai_app(
+    args: BuildArgs,
+    llm_engine_cls: type | None = None,
+    llm_options: dict[str, Any] | None = None,
+    ingress_options: dict[str, Any] | None = None,
+) -> Application:
+    """The application, with hooks for tests: a fake engine class and deployment options."""
+    engine_args = args.full_engine_args()
+    llm = LLMServer.options(**(llm_options or {})).bind(
+        engine_args, llm_engine_cls, args.health_stall_timeout_s
+    )
+    embedder = EmbeddingServer.bind(args.embedding_model) if args.embedding_model else None
+    config = {
+        "served_model_name": args.served_model_name or args.model,
+        "engine_args": engine_args,
+        "embedding_model_name": args.embedding_model,
+        "api_key": args.api_key or os.environ.get("NEURON_SERVE_API_KEY") or None,
+        "max_body_bytes": args.max_body_bytes,
+        "max_n": args.max_n,
+        "max_prompts": args.max_prompts,
+    }
+    return OpenAIIngress.options(**(ingress_options or {})).bind(llm, embedder, config)

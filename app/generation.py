@@ -1,0 +1,165 @@
+"""One generation request as the ingress sees it: token streams in, text events out.
+
+A request has one engine stream per prompt (a completions request may carry several); each
+prompt yields ``n`` sequences. ``Generation.events()`` merges the streams and yields, per
+engine step, the choices that have something new to send. Errors after the first step are
+raised from ``events()``; the caller turns them into an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from app.metrics import RequestTimer
+from app.text import SequenceText, TokenLogprobs
+from deployments.protocol import StepOutput
+
+
+class EngineError(RuntimeError):
+    """The engine failed this request (NaN logits, a failed step, a lost replica)."""
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class PromptStream:
+    """A prompt's engine stream, its first step already received."""
+
+    first: StepOutput
+    rest: Any  # ray.serve.handle.DeploymentResponseGenerator (or any async iterator)
+
+    async def steps(self) -> AsyncIterator[StepOutput]:
+        yield self.first
+        async for step in self.rest:
+            yield step
+
+    def cancel(self) -> None:
+        cancel = getattr(self.rest, "cancel", None)
+        if cancel is not None:
+            cancel()
+
+
+class Generation:
+    def __init__(
+        self,
+        streams: list[PromptStream],
+        seq_texts: list[list[SequenceText]],
+        timer: RequestTimer,
+    ) -> None:
+        self.streams = streams
+        self.seq_texts = seq_texts  # [prompt][n]
+        self.n = len(seq_texts[0])
+        self.timer = timer
+        self.num_prompt_tokens = sum(s.first.num_prompt_tokens for s in streams)
+        self.num_cached_tokens = sum(s.first.num_cached_tokens for s in streams)
+        timer.metrics.prompt_tokens.inc(self.num_prompt_tokens)
+
+    @property
+    def choices(self) -> list[SequenceText]:
+        return [seq for per_prompt in self.seq_texts for seq in per_prompt]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(seq.num_tokens for seq in self.choices)
+
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_completion_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
+        }
+        if self.num_cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
+        return usage
+
+    async def events(self) -> AsyncIterator[list[ChoiceEvent]]:
+        """Per engine step, the choices with new text, logprobs or a finish reason."""
+        reported: set[int] = set()
+        try:
+            async for prompt_index, step in _merge([s.steps() for s in self.streams]):
+                self._account(step)
+                events = []
+                for delta in step.seqs:
+                    if delta.finish_reason == "error" or step.error:
+                        raise EngineError(step.error or "the engine failed this request")
+                    index = prompt_index * self.n + delta.index
+                    seq = self.seq_texts[prompt_index][delta.index]
+                    seq.add(delta)
+                    text, logprobs = seq.take()
+                    finished = seq.finished and index not in reported
+                    if finished:
+                        reported.add(index)
+                    if text or logprobs or finished:
+                        events.append(
+                            ChoiceEvent(
+                                index,
+                                text,
+                                logprobs,
+                                seq.finish_reason if finished else None,
+                                seq.stop_reason if finished else None,
+                            )
+                        )
+                if step.error:
+                    raise EngineError(step.error)
+                if events:
+                    yield events
+                if all(seq.finished for seq in self.choices):
+                    break  # stop strings may end sequences before the engine does
+            else:
+                if not all(seq.finished for seq in self.choices):
+                    raise EngineError("the engine stream ended before every sequence finished")
+        finally:
+            for stream in self.streams:
+                stream.cancel()
+            self.timer.finish()
+
+    def _account(self, step: StepOutput) -> None:
+        self.timer.tokens(sum(len(d.token_ids) for d in step.seqs))
+        if step.queue_time_s is not None:
+            self.timer.metrics.queue_time.observe(step.queue_time_s)
+        self.timer.metrics.update_engine_stats(step.stats)
+
+
+_END = object()
+
+
+async def _merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Items of several async iterators as they come, tagged with the iterator's index."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, iterator: AsyncIterator[Any]) -> None:
+        try:
+            async for item in iterator:
+                await queue.put((index, item, None))
+            await queue.put((index, _END, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is _END:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,572 @@
+"""The OpenAI ingress deployment: FastAPI under ``@serve.ingress``, holding no engine.
+
+It validates requests, applies the chat template, tokenizes, calls the LLM deployment through
+a streaming DeploymentHandle, detokenizes incrementally, applies stop strings and writes JSON
+or SSE. Embeddings go to the embedding deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from app.errors import OpenAIError, install_handlers, sse_error
+from app.generation import Generation, PromptStream
+from app.metrics import RequestTimer, ServingMetrics
+from app.middleware import EdgeMiddleware
+from app.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
+from app.sampling import Limits, check_prompt_ids, sampling_fields, stop_strings
+from app.text import SequenceText, chat_logprobs, completion_logprobs
+from deployments.protocol import GenerateRequest
+from neuron_runtime.engine_args import EngineArgs
+from neuron_runtime.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    served_model_name: str
+    engine_args: dict[str, Any]
+    embedding_model_name: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_n: int = 8
+    max_prompts: int = 16
+    max_embedding_inputs: int = 128
+    retry_after_s: int = 1
+
+
+@serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0.25})
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(
+        self, llm: DeploymentHandle, embedder: DeploymentHandle | None, config: dict[str, Any]
+    ) -> None:
+        self.config = IngressConfig(**config)
+        self.llm = llm
+        self.llm_stream = llm.options(stream=True)
+        self.embedder = embedder
+        engine_config = EngineArgs(**self.config.engine_args).create_engine_config()
+        self.tokenizer = Tokenizer(engine_config.model.path)
+        self.limits = Limits(
+            max_model_len=engine_config.model.max_model_len,
+            vocab_size=engine_config.model.vocab_size,
+            max_n=self.config.max_n,
+            max_prompts=self.config.max_prompts,
+        )
+        self.metrics = ServingMetrics(self.config.served_model_name)
+        self.created = int(time.time())
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_fastapi(self)
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def chat(self, request: ChatCompletionRequest, request_id: str) -> Response:
+        self._check_model(request.model)
+        prompt_ids = self._encode_chat(request.messages)
+        check_prompt_ids(prompt_ids, self.limits, "messages")
+        generation = await self._start(request, [prompt_ids], f"chatcmpl-{request_id}")
+        if request.stream:
+            return _sse(self._chat_stream(request, generation, f"chatcmpl-{request_id}"))
+        num_top = request.top_logprobs or 0
+        outputs = await _collect(generation)
+        choices = []
+        for index, seq in enumerate(generation.choices):
+            text, logprobs = outputs[index]
+            choice: dict[str, Any] = {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": seq.finish_reason,
+                "stop_reason": seq.stop_reason,
+            }
+            if request.logprobs:
+                choice["logprobs"] = {"content": chat_logprobs(self.tokenizer, logprobs, num_top)}
+            choices.append(choice)
+        response = ChatCompletionResponse(
+            id=f"chatcmpl-{request_id}",
+            model=self.config.served_model_name,
+            choices=choices,
+            usage=generation.usage(),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def completion(self, request: CompletionRequest, request_id: str) -> Response:
+        self._check_model(request.model)
+        if request.echo:
+            raise OpenAIError(400, "echo is not supported", param="echo")
+        if request.suffix:
+            raise OpenAIError(400, "suffix is not supported", param="suffix")
+        prompts = self._encode_prompts(request.prompt)
+        generation = await self._start(request, prompts, f"cmpl-{request_id}")
+        if request.stream:
+            return _sse(self._completion_stream(request, generation, f"cmpl-{request_id}"))
+        outputs = await _collect(generation)
+        choices = []
+        for index, seq in enumerate(generation.choices):
+            text, logprobs = outputs[index]
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": None
+                    if request.logprobs is None
+                    else completion_logprobs(self.tokenizer, logprobs, request.logprobs, 0),
+                    "finish_reason": seq.finish_reason,
+                    "stop_reason": seq.stop_reason,
+                }
+            )
+        response = CompletionResponse(
+            id=f"cmpl-{request_id}",
+            model=self.config.served_model_name,
+            choices=choices,
+            usage=generation.usage(),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def _start(
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        prompts: list[list[int]],
+        engine_id: str,
+    ) -> Generation:
+        """Validates, opens one engine stream per prompt and waits for each first step, so
+        that rejections (400, 503) still get a proper status code."""
+        fields = [sampling_fields(request, len(ids), self.limits) for ids in prompts]
+        stop = stop_strings(request)
+        seq_texts = [
+            [
+                SequenceText(
+                    self.tokenizer,
+                    ids,
+                    stop,
+                    request.include_stop_str_in_output,
+                    request.skip_special_tokens,
+                    request.min_tokens,
+                )
+                for _ in range(request.n)
+            ]
+            for ids in prompts
+        ]
+        timer = RequestTimer(self.metrics)
+        tasks = [
+            asyncio.create_task(self._open(GenerateRequest(f"{engine_id}-{i}", ids, f)))
+            for i, (ids, f) in enumerate(zip(prompts, fields, strict=True))
+        ]
+        try:
+            streams = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result().cancel()
+            raise
+        return Generation(list(streams), seq_texts, timer)
+
+    async def _open(self, request: GenerateRequest) -> PromptStream:
+        stream = self.llm_stream.generate.remote(request)
+        try:
+            first = await stream.__anext__()
+        except BackPressureError as exc:
+            raise self._overloaded() from exc
+        except ValueError as exc:  # the engine's own validation (RayTaskError subclasses it)
+            stream.cancel()
+            raise OpenAIError(400, _first_line(exc)) from exc
+        except StopAsyncIteration as exc:
+            raise OpenAIError(500, "the engine returned no output") from exc
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        except Exception as exc:
+            stream.cancel()
+            if isinstance(getattr(exc, "cause", None), BackPressureError):
+                raise self._overloaded() from exc
+            raise OpenAIError(500, f"generation failed: {_first_line(exc)}") from exc
+        return PromptStream(first, stream)
+
+    def _overloaded(self) -> OpenAIError:
+        return OpenAIError(
+            503,
+            "the server is overloaded; retry later",
+            code="overloaded",
+            headers={"Retry-After": str(self.config.retry_after_s)},
+        )
+
+    async def _chat_stream(
+        self, request: ChatCompletionRequest, generation: Generation, response_id: str
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        model = self.config.served_model_name
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        num_top = request.top_logprobs or 0
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {
+                "id": response_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
+            if include_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        yield chunk(
+            [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for i in range(len(generation.choices))
+            ]
+        )
+        try:
+            async for events in generation.events():
+                choices = []
+                for event in events:
+                    choice: dict[str, Any] = {
+                        "index": event.index,
+                        "delta": {"content": event.text} if event.text else {},
+                        "logprobs": None,
+                        "finish_reason": event.finish_reason,
+                    }
+                    if event.finish_reason is not None:
+                        choice["stop_reason"] = event.stop_reason
+                    if request.logprobs and event.logprobs:
+                        choice["logprobs"] = {
+                            "content": chat_logprobs(self.tokenizer, event.logprobs, num_top)
+                        }
+                    choices.append(choice)
+                yield chunk(choices)
+            if include_usage:
+                yield chunk([], generation.usage())
+        except Exception as exc:  # noqa: BLE001 - the stream must end cleanly
+            yield sse_error(f"generation failed: {_first_line(exc)}")
+        yield "data: [DONE]\n\n"
+
+    async def _completion_stream(
+        self, request: CompletionRequest, generation: Generation, response_id: str
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        model = self.config.served_model_name
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        offsets = [0] * len(generation.choices)
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {
+                "id": response_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
+            if include_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        try:
+            async for events in generation.events():
+                choices = []
+                for event in events:
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = completion_logprobs(
+                            self.tokenizer, event.logprobs, request.logprobs, offsets[event.index]
+                        )
+                    offsets[event.index] += len(event.text)
+                    choices.append(
+                        {
+                            "index": event.index,
+                            "text": event.text,
+                            "logprobs": logprobs,
+                            "finish_reason": event.finish_reason,
+                            "stop_reason": event.stop_reason,
+                        }
+                    )
+                yield chunk(choices)
+            if include_usage:
+                yield chunk([], generation.usage())
+        except Exception as exc:  # noqa: BLE001 - the stream must end cleanly
+            yield sse_error(f"generation failed: {_first_line(exc)}")
+        yield "data: [DONE]\n\n"
+
+    # -- prompts ----------------------------------------------------------------------------
+
+    def _encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        conversation = []
+        for index, message in enumerate(messages):
+            content = message.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise OpenAIError(
+                            400,
+                            f"messages.{index}.content: only text parts are supported by this "
+                            f"model, got type {part.get('type')!r}",
+                            param="messages",
+                        )
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            conversation.append({"role": message.role, "content": content or ""})
+        try:
+            return self.tokenizer.encode_chat(conversation)
+        except UnicodeError as exc:
+            raise OpenAIError(400, f"messages hold invalid text: {exc}", "messages") from exc
+        except Exception as exc:  # jinja errors: roles the template refuses, and the like
+            raise OpenAIError(
+                400, f"the chat template rejected the messages: {exc}", "messages"
+            ) from exc
+
+    def _encode_prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts: list = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise OpenAIError(400, "the prompt is empty", param="prompt")
+        if len(prompts) > self.limits.max_prompts:
+            raise OpenAIError(
+                400,
+                f"at most {self.limits.max_prompts} prompts per request, got {len(prompts)}",
+                param="prompt",
+            )
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                try:
+                    ids = self.tokenizer.encode(p) if p else []
+                except UnicodeError as exc:
+                    raise OpenAIError(400, f"invalid text in prompt: {exc}", "prompt") from exc
+            else:
+                ids = list(p)
+            check_prompt_ids(ids, self.limits, "prompt")
+            out.append(ids)
+        return out
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise OpenAIError(
+                404,
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.config.served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    # -- other endpoints --------------------------------------------------------------------
+
+    async def embeddings(self, request: EmbeddingRequest) -> dict[str, Any]:
+        name = self.config.embedding_model_name
+        if self.embedder is None or name is None:
+            raise OpenAIError(
+                404, "no embedding model is served", param="model", code="model_not_found"
+            )
+        if request.model is not None and request.model != name:
+            raise OpenAIError(
+                404,
+                f"the embedding model {request.model!r} does not exist; "
+                f"this server serves {name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        inputs: list = request.input if isinstance(request.input, list) else [request.input]
+        if inputs and all(isinstance(x, int) for x in inputs):
+            inputs = [inputs]
+        if not inputs:
+            raise OpenAIError(400, "input is empty", param="input")
+        if len(inputs) > self.config.max_embedding_inputs:
+            raise OpenAIError(
+                400, f"at most {self.config.max_embedding_inputs} inputs", param="input"
+            )
+        try:
+            reply = await self.embedder.embed.remote(inputs, True)
+        except BackPressureError as exc:
+            raise self._overloaded() from exc
+        except ValueError as exc:
+            raise OpenAIError(400, _first_line(exc), param="input") from exc
+        vectors: np.ndarray = reply.embeddings
+        if request.dimensions is not None and request.dimensions != vectors.shape[1]:
+            raise OpenAIError(
+                400, f"this model has {vectors.shape[1]} dimensions", param="dimensions"
+            )
+        data = []
+        for index, row in enumerate(vectors):
+            embedding: Any = row.tolist()
+            if request.encoding_format == "base64":
+                embedding = base64.b64encode(row.astype("<f4").tobytes()).decode()
+            data.append({"object": "embedding", "index": index, "embedding": embedding})
+        tokens = int(sum(reply.num_prompt_tokens))
+        return {
+            "object": "list",
+            "data": data,
+            "model": name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+    def models(self) -> dict[str, Any]:
+        data = [
+            {
+                "id": self.config.served_model_name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "neuron-serve",
+                "max_model_len": self.limits.max_model_len,
+            }
+        ]
+        if self.config.embedding_model_name:
+            data.append(
+                {
+                    "id": self.config.embedding_model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "neuron-serve",
+                }
+            )
+        return {"object": "list", "data": data}
+
+    def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+        self._check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
+        if request.messages is not None:
+            ids = self._encode_chat(request.messages)
+        else:
+            try:
+                ids = self.tokenizer.encode(request.prompt or "", request.add_special_tokens)
+            except UnicodeError as exc:
+                raise OpenAIError(400, f"invalid text in prompt: {exc}", "prompt") from exc
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.limits.max_model_len}
+
+    def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
+        self._check_model(request.model)
+        bad = [t for t in request.tokens if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise OpenAIError(400, f"token ids out of the vocabulary: {bad[:5]}", "tokens")
+        return {"prompt": self.tokenizer.decode(request.tokens, skip_special_tokens=False)}
+
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self.llm.check_health.remote(), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - any failure means not healthy
+            return JSONResponse(
+                OpenAIError(503, f"unhealthy: {_first_line(exc)}").body(), status_code=503
+            )
+        return Response(status_code=200)
+
+    async def render_metrics(self) -> Response:
+        try:
+            stats = await asyncio.wait_for(self.llm.stats.remote(), timeout=2)
+            self.metrics.update_engine_stats(stats)
+        except Exception:  # noqa: BLE001, S110 - serve the last known numbers
+            pass
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_fastapi(ingress: OpenAIIngress) -> FastAPI:
+    """The HTTP surface; routes are closures over the replica's ingress object."""
+    api = FastAPI(title="neuron-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(api)
+    api.add_middleware(
+        EdgeMiddleware,
+        api_key=ingress.config.api_key,
+        max_body_bytes=ingress.config.max_body_bytes,
+    )
+
+    @api.post("/v1/chat/completions")
+    async def chat(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await ingress.chat(request, _request_id(raw))
+
+    @api.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        return await ingress.completion(request, _request_id(raw))
+
+    @api.post("/v1/embeddings")
+    async def embeddings(request: EmbeddingRequest) -> dict[str, Any]:
+        return await ingress.embeddings(request)
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return ingress.models()
+
+    @api.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
+        return ingress.tokenize(request)
+
+    @api.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
+        return ingress.detokenize(request)
+
+    @api.get("/health")
+    async def health() -> Response:
+        return await ingress.health()
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return await ingress.render_metrics()
+
+    return api
+
+
+def _request_id(raw: Request) -> str:
+    # Ray Serve's proxy sets X-Request-Id (the client's, else a fresh one) and echoes it;
+    # a uuid suffix keeps engine ids unique even when a client reuses its id.
+    given = raw.headers.get("x-request-id", "")[:64]
+    suffix = uuid.uuid4().hex[:12]
+    return f"{given}-{suffix}" if given else uuid.uuid4().hex
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _collect(generation: Generation) -> list[tuple[str, list]]:
+    outputs: list[tuple[str, list]] = [("", []) for _ in generation.choices]
+    try:
+        async for events in generation.events():
+            for event in events:
+                text, logprobs = outputs[event.index]
+                outputs[event.index] = (text + event.text, logprobs + event.logprobs)
+    except Exception as exc:  # EngineError, a lost replica: one 500 with the OpenAI body
+        raise OpenAIError(500, f"generation failed: {_first_line(exc)}") from exc
+    return outputs
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    # RayTaskError strings carry a traceback; the last line is the original message.
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1][:500] if lines else type(exc).__name__

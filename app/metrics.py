@@ -1,0 +1,160 @@
+"""Prometheus metrics with vLLM's names, rendered by the ingress at ``GET /metrics``.
+
+Request-side numbers (latencies, token counts) are observed by the ingress as it streams.
+Engine-side numbers (running/waiting, KV usage, preemptions, prefix cache) come from the LLM
+replicas' ``stats()``: every finished stream carries its replica's snapshot, and each scrape
+asks one replica for a fresh one; the gauges sum the latest snapshot of every replica heard
+from in the last ``stale_after_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class _EngineStatsCollector:
+    def __init__(self, model_name: str, stale_after_s: float) -> None:
+        self.model_name = model_name
+        self.stale_after_s = stale_after_s
+        self.replicas: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def update(self, stats: dict[str, Any]) -> None:
+        self.replicas[str(stats.get("replica_id", "?"))] = (time.monotonic(), stats)
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.monotonic()
+        fresh = [s for t, s in self.replicas.values() if now - t <= self.stale_after_s]
+
+        def total(key: str) -> float:
+            return float(sum(s.get(key, 0) for s in fresh))
+
+        labels = ["model_name"]
+        gauges = (
+            ("vllm:num_requests_running", "Requests in the engines' running batch", "num_running"),
+            ("vllm:num_requests_waiting", "Requests waiting in the engines", "num_waiting"),
+        )
+        for name, doc, key in gauges:
+            metric = GaugeMetricFamily(name, doc, labels=labels)
+            metric.add_metric([self.model_name], total(key))
+            yield metric
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", labels=labels
+        )
+        used, blocks = total("num_kv_blocks_used"), total("num_kv_blocks_total")
+        usage.add_metric([self.model_name], used / blocks if blocks else 0.0)
+        yield usage
+        counters = (
+            ("vllm:num_preemptions", "Preemptions by the engines", "num_preemptions"),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up", "prefix_cache_queries"),
+            ("vllm:prefix_cache_hits", "Prompt tokens found cached", "prefix_cache_hits"),
+        )
+        for name, doc, key in counters:
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric([self.model_name], total(key))
+            yield counter
+
+
+class ServingMetrics:
+    """One registry per ingress replica; labels carry the served model name."""
+
+    def __init__(self, model_name: str, stale_after_s: float = 300.0) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.engine = _EngineStatsCollector(model_name, stale_after_s)
+        self.registry.register(self.engine)
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens processed", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated", labels, registry=r
+        ).labels(model_name)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between streamed tokens",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency, arrival to last token",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time waiting before the engine scheduled it",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+
+    def update_engine_stats(self, stats: dict[str, Any] | None) -> None:
+        if stats:
+            self.engine.update(stats)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one request's TTFT, ITL and E2E latency as its tokens arrive."""
+
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+    def tokens(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            # A step that brought several tokens spreads its gap over them.
+            gap = (now - self.last) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.itl.observe(gap)
+        self.last = now
+        self.metrics.generation_tokens.inc(num_tokens)
+
+    def finish(self) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.start)

@@ -1,0 +1,142 @@
+"""Request -> engine sampling fields, with the checks that need the model or the caps.
+
+Every rejection is an OpenAIError(400) naming the field, raised before anything is queued.
+Stop strings are not sent to the engine: the ingress owns text and applies them itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import OpenAIError
+from app.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from neuron_runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model allows and what the operator caps."""
+
+    max_model_len: int
+    vocab_size: int
+    max_n: int
+    max_prompts: int
+    max_stop_strings: int = 16
+
+
+def stop_strings(request: SamplingFields) -> list[str]:
+    stop = request.stop
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stop):
+        raise OpenAIError(400, "stop strings must be non-empty", param="stop")
+    return stop
+
+
+def check_prompt_ids(ids: list[int], limits: Limits, param: str) -> None:
+    if not ids:
+        raise OpenAIError(400, "the prompt is empty", param=param)
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise OpenAIError(
+            400, f"token ids must be in [0, {limits.vocab_size}), got {bad[:5]}", param=param
+        )
+    if len(ids) >= limits.max_model_len:
+        raise OpenAIError(
+            400,
+            f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+            f"{limits.max_model_len} tokens, which must leave room for at least one output token",
+            param=param,
+        )
+
+
+def sampling_fields(
+    request: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int, limits: Limits
+) -> dict[str, Any]:
+    """The SamplingParams fields for one prompt of ``request`` (validated by constructing it)."""
+    if request.n > limits.max_n:
+        raise OpenAIError(400, f"n must be at most {limits.max_n}, got {request.n}", param="n")
+    if len(stop_strings(request)) > limits.max_stop_strings:
+        raise OpenAIError(400, f"at most {limits.max_stop_strings} stop strings", param="stop")
+    max_tokens, param = request.max_tokens, "max_tokens"
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
+    room = limits.max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise OpenAIError(
+            400,
+            f"{param} ({max_tokens}) + prompt tokens ({num_prompt_tokens}) exceeds the "
+            f"model's maximum context length ({limits.max_model_len})",
+            param=param,
+        )
+    if request.min_tokens > max_tokens:
+        raise OpenAIError(
+            400, f"min_tokens ({request.min_tokens}) exceeds {param} ({max_tokens})", "min_tokens"
+        )
+    fields: dict[str, Any] = {
+        "n": request.n,
+        "max_tokens": max_tokens,
+        "min_tokens": request.min_tokens,
+        "seed": request.seed,
+        "stop_token_ids": list(request.stop_token_ids or []),
+        "ignore_eos": request.ignore_eos,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "logit_bias": logit_bias(request.logit_bias, limits.vocab_size),
+        "detokenize": False,
+        "logprobs": logprobs_count(request),
+    }
+    for name, value in (
+        ("temperature", request.temperature),
+        ("top_p", request.top_p),
+        ("top_k", request.top_k),
+        ("min_p", request.min_p),
+    ):
+        if value is not None:
+            fields[name] = value
+    bad_stop = [t for t in fields["stop_token_ids"] if not 0 <= t < limits.vocab_size]
+    if bad_stop:
+        raise OpenAIError(
+            400, f"stop_token_ids out of the vocabulary: {bad_stop[:5]}", param="stop_token_ids"
+        )
+    try:
+        SamplingParams(**fields)
+    except ValueError as exc:  # a check the pydantic model does not repeat
+        raise OpenAIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
+    return fields
+
+
+def logprobs_count(request: ChatCompletionRequest | CompletionRequest) -> int | None:
+    if isinstance(request, ChatCompletionRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise OpenAIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise OpenAIError(
+                400, f"logit_bias key {key!r} is not a token id", param="logit_bias"
+            ) from None
+        if not 0 <= token_id < vocab_size:
+            raise OpenAIError(
+                400,
+                f"logit_bias token id {token_id} is outside [0, {vocab_size})",
+                param="logit_bias",
+            )
+        if not -100.0 <= value <= 100.0:
+            raise OpenAIError(
+                400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias"
+            )
+        out[token_id] = float(value)
+    return out

@@ -1,0 +1,350 @@
+"""Serving benchmark: load over HTTP through Ray Serve vs the same engine called in-process.
+
+Metrics as vLLM's ``bench serve`` defines them, per request:
+  TTFT  time to first token (first streamed chunk with text)
+  TPOT  (E2EL - TTFT) / (output tokens - 1)
+  ITL   gaps between streamed chunks
+  E2EL  arrival to last token
+plus request and output-token throughput and goodput (requests/s meeting every SLO given).
+
+Arrivals are Poisson at ``--request-rate`` (requests/s) or, with rate inf, as fast as
+``--concurrency`` allows. Prompts are random token ids of ``--input-len``, greedy, ignore_eos,
+``--output-len`` tokens, so both paths do identical work. The "direct" run drives an
+in-process AsyncEngine with the same prompts and schedule; the difference between the two is
+the cost of the Serve path (proxy -> ingress -> LLM replica and back, SSE, detokenization).
+
+    python bench/serve.py --start-server --num-requests 16 --concurrency 4
+    python bench/serve.py --base-url http://127.0.0.1:8000 ...   # against `make serve`
+
+Only 127.0.0.1 / localhost targets are accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+MODEL = "smollm2-135m-instruct"
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+
+async def http_request(client, url: str, model: str, prompt: list[int], output_len: int):  # noqa: ANN001
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    last = None
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}"
+                await response.aread()
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        result.e2el = time.perf_counter() - start
+        result.ok = last is not None
+    except Exception as exc:  # noqa: BLE001 - counted as a failed request
+        result.error = repr(exc)
+    return result
+
+
+async def direct_request(engine, prompt: list[int], output_len: int):  # noqa: ANN001
+    from neuron_runtime import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    last = None
+    async for out in engine.generate({"prompt_token_ids": prompt}, params):
+        now = time.perf_counter()
+        new = len(out.outputs[0].token_ids)
+        if new:
+            if last is None:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+            result.output_tokens += new
+    result.e2el = time.perf_counter() - start
+    result.ok = True
+    return result
+
+
+async def run_load(send, prompts: list[list[int]], rate: float, concurrency: int, seed: int):  # noqa: ANN001
+    """Sends every prompt once: Poisson arrivals at ``rate`` (inf: all at once), at most
+    ``concurrency`` in flight."""
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: list[int]) -> RequestResult:
+        async with limit:
+            return await send(prompt)
+
+    tasks = []
+    start = time.perf_counter()
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(one(prompt)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], duration: float, slo: dict[str, float]) -> dict:
+    ok = [r for r in results if r.ok]
+
+    def pcts(values: list[float]) -> dict[str, float | None]:
+        if not values:
+            return {"p50_ms": None, "p99_ms": None, "mean_ms": None}
+        ordered = sorted(values)
+        p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+        return {
+            "p50_ms": statistics.median(ordered) * 1e3,
+            "p99_ms": p99 * 1e3,
+            "mean_ms": statistics.fmean(ordered) * 1e3,
+        }
+
+    def good(r: RequestResult) -> bool:
+        tpot = r.tpot if r.tpot is not None else 0.0
+        return (
+            r.ttft * 1e3 <= slo.get("ttft_ms", float("inf"))
+            and tpot * 1e3 <= slo.get("tpot_ms", float("inf"))
+            and r.e2el * 1e3 <= slo.get("e2el_ms", float("inf"))
+        )
+
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": tokens / duration,
+        "goodput": sum(good(r) for r in ok) / duration,
+        "ttft": pcts([r.ttft for r in ok]),
+        "tpot": pcts([t for r in ok if (t := r.tpot) is not None]),
+        "itl": pcts([x for r in ok for x in r.itl]),
+        "e2el": pcts([r.e2el for r in ok]),
+    }
+
+
+def start_server(args: argparse.Namespace) -> str:
+    """A local cluster bound to 127.0.0.1 running the app without embeddings."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    from app.builder import BuildArgs, build_openai_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=2,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_openai_app(
+        BuildArgs(max_model_len=args.max_model_len, embedding_model=None),
+        llm_options={"ray_actor_options": {"num_cpus": 1.0}},
+        ingress_options={"ray_actor_options": {"num_cpus": 0.25}},
+    )
+    serve.run(app, name="bench", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def print_table(rows: dict[str, dict]) -> None:
+    names = list(rows)
+    print(f"{'metric':<28}" + "".join(f"{n:>16}" for n in names))
+    lines = [
+        ("completed", lambda s: s["completed"]),
+        ("failed", lambda s: s["failed"]),
+        ("req/s", lambda s: s["request_throughput"]),
+        ("output tok/s", lambda s: s["output_token_throughput"]),
+        ("goodput req/s", lambda s: s["goodput"]),
+    ]
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for p in ("p50_ms", "p99_ms"):
+            lines.append((f"{metric.upper()} {p}", lambda s, m=metric, p=p: s[m][p]))
+    for label, get in lines:
+        cells = []
+        for n in names:
+            value = get(rows[n])
+            cells.append(f"{value:>16.2f}" if isinstance(value, float) else f"{value!s:>16}")
+        print(f"{label:<28}" + "".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", default=None, help="a running server (127.0.0.1 only)")
+    parser.add_argument("--start-server", action="store_true")
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--max-duration-s", type=float, default=300.0)
+    parser.add_argument("--request-rate", type=float, default=float("inf"))
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    parser.add_argument("--no-direct", action="store_true", help="skip the in-process engine")
+    parser.add_argument("--json", default="bench/results/serve.json")
+    args = parser.parse_args()
+
+    if args.start_server == (args.base_url is not None):
+        sys.exit("give exactly one of --base-url and --start-server")
+    rng = random.Random(args.seed)
+    # Ids from the ordinary vocabulary (no special tokens), one fixed set for both paths.
+    prompts = [
+        [rng.randrange(1000, 40000) for _ in range(args.input_len)]
+        for _ in range(args.num_requests)
+    ]
+    slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
+    rows: dict[str, dict] = {}
+
+    base_url = args.base_url
+    started = False
+    try:
+        if args.start_server:
+            base_url = start_server(args)
+            started = True
+        host = urlparse(base_url).hostname
+        if host not in ("127.0.0.1", "localhost"):
+            sys.exit(f"refusing to load {host}: only 127.0.0.1 is allowed")
+        rows["serve"] = asyncio.run(
+            asyncio.wait_for(serve_phase(base_url, args, prompts, slo), args.max_duration_s)
+        )
+    finally:
+        if started:
+            import ray
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+    if not args.no_direct:
+        rows["direct"] = asyncio.run(
+            asyncio.wait_for(direct_phase(args, prompts, slo), args.max_duration_s)
+        )
+    print_table(rows)
+    if "direct" in rows:
+        overhead = {
+            f"{m}_p50_delta_ms": rows["serve"][m][p] - rows["direct"][m][p]
+            for m in ("ttft", "tpot", "itl", "e2el")
+            for p in ("p50_ms",)
+            if rows["serve"][m][p] is not None and rows["direct"][m][p] is not None
+        }
+        rows["serve_minus_direct"] = overhead
+        print(
+            "Serve path minus direct engine (p50):",
+            ", ".join(f"{k}={v:.2f}" for k, v in overhead.items()),
+        )
+    report = {
+        "config": {k: (str(v) if v == float("inf") else v) for k, v in vars(args).items()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_at_end": os.getloadavg(),
+        },
+        "results": rows,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.json}")
+
+
+async def serve_phase(base_url: str, args: argparse.Namespace, prompts, slo) -> dict:  # noqa: ANN001
+    import httpx
+
+    url = f"{base_url}/v1/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+        await http_request(client, url, args.model, prompts[0], 2)  # warm-up
+        results, duration = await run_load(
+            lambda p: http_request(client, url, args.model, p, args.output_len),
+            prompts,
+            args.request_rate,
+            args.concurrency,
+            args.seed,
+        )
+    return summarize(results, duration, slo)
+
+
+async def direct_phase(args: argparse.Namespace, prompts, slo) -> dict:  # noqa: ANN001
+    import torch
+
+    from neuron_runtime import AsyncEngine, EngineArgs
+
+    torch.set_num_threads(1)  # as in the LLM replica
+    engine = AsyncEngine.from_engine_args(
+        EngineArgs(model=args.model, max_model_len=args.max_model_len, num_threads=1)
+    )
+    try:
+        await direct_request(engine, prompts[0], 2)  # warm-up
+        results, duration = await run_load(
+            lambda p: direct_request(engine, p, args.output_len),
+            prompts,
+            args.request_rate,
+            args.concurrency,
+            args.seed,
+        )
+    finally:
+        engine.shutdown()
+    return summarize(results, duration, slo)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Ray Serve deployments: thin shells that own one engine per replica."""

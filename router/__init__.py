@@ -1,0 +1,1 @@
+"""Request orchestration across deployments (encoder, prefill and decode routing)."""
