@@ -30,12 +30,15 @@ from neuron_runtime.outputs import CompletionOutput, RequestOutput  # noqa: E402
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 1024
 FAIL_TOKEN = 666  # a fake-engine prompt starting with this token fails after two tokens
+DIE_TOKEN = 667  # a DyingEngine prompt starting with this token kills that engine for good
 API_KEY = "test-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 class FakeEngine:
-    """Emits token 28 every 20 ms; no model. Shaped like AsyncEngine for LLMServer."""
+    """Emits token 28 every ``step_s`` (20 ms); no model. Shaped like AsyncEngine for LLMServer."""
+
+    step_s = 0.02
 
     def __init__(self) -> None:
         self.running = 0
@@ -51,7 +54,7 @@ class FakeEngine:
         self.running += 1
         try:
             for step in range(params.max_tokens):
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(self.step_s)
                 if ids[0] == FAIL_TOKEN and step == 2:
                     raise RuntimeError("injected engine failure")
                 last = step == params.max_tokens - 1
@@ -68,6 +71,29 @@ class FakeEngine:
 
     def check_health(self, stall_timeout_s: float = 30.0) -> None:
         pass
+
+
+class DyingEngine(FakeEngine):
+    """A FakeEngine whose loop "dies" on a DIE_TOKEN prompt: every later call raises."""
+
+    dead = False
+
+    async def generate(self, prompt, params, request_id, kind):  # noqa: ANN001, ANN201
+        if prompt["prompt_token_ids"][0] == DIE_TOKEN:
+            self.dead = True
+        self.check_health()
+        async for out in super().generate(prompt, params, request_id, kind):
+            yield out
+
+    def check_health(self, stall_timeout_s: float = 30.0) -> None:
+        if self.dead:
+            raise RuntimeError("engine loop is not running: injected death")
+
+
+class SlowEngine(FakeEngine):
+    """A FakeEngine emitting one token every 100 ms, for streams that outlive a redeploy."""
+
+    step_s = 0.1
 
 
 def _free_port() -> int:
@@ -414,3 +440,124 @@ def test_api_key_required_when_configured(server):
     assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
     assert httpx.get(f"{server}/fake/health").status_code == 200
+
+
+# -- replica lifecycle (RELIABILITY cases 19 and 20) ----------------------------------------
+# Each test deploys its own small app (zero CPUs: the session apps use 1.95 of the 2) under
+# its own name and route prefix, and deletes it at the end; `main` and `fake` are untouched.
+
+
+def _side_app(engine_cls: type, stall_timeout_s: float = 30.0, **llm_options):
+    from app.builder import BuildArgs, build_openai_app
+
+    args = BuildArgs(
+        max_model_len=MAX_MODEL_LEN, embedding_model=None, health_stall_timeout_s=stall_timeout_s
+    )
+    return build_openai_app(
+        args,
+        llm_engine_cls=engine_cls,
+        llm_options={"ray_actor_options": {"num_cpus": 0}, **llm_options},
+        ingress_options={"ray_actor_options": {"num_cpus": 0}},
+    )
+
+
+def _llm_replica_id(app_name: str) -> str:
+    handle = serve.get_deployment_handle("LLMServer", app_name=app_name)
+    return handle.stats.remote().result(timeout_s=10)["replica_id"]
+
+
+def test_dead_engine_fails_health_and_replica_is_replaced(server):
+    """Case 19: once the engine is dead, check_health raises; with a 1 s period Serve marks
+    the replica unhealthy after 3 failed checks, replaces it, and serving continues on a
+    new replica (a different LLMServer replica id)."""
+    name, prefix = "dying", "/dying"
+    serve.run(
+        _side_app(DyingEngine, health_check_period_s=1, health_check_timeout_s=2),
+        name=name,
+        route_prefix=prefix,
+    )
+    try:
+        url = f"{server}{prefix}/v1/completions"
+        body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 3}
+        assert httpx.post(url, json=body, timeout=30).status_code == 200
+        old_replica = _llm_replica_id(name)
+        killed = httpx.post(url, json={**body, "prompt": [DIE_TOKEN, 5]}, timeout=30)
+        assert killed.status_code >= 500, killed.text
+        unhealthy = httpx.get(f"{server}{prefix}/health", timeout=30)
+        assert unhealthy.status_code == 503 and "injected death" in unhealthy.text
+        start = time.monotonic()
+        deadline = start + 30
+        while True:
+            response = httpx.post(url, json=body, timeout=30)
+            if response.status_code == 200 and _llm_replica_id(name) != old_replica:
+                break
+            assert time.monotonic() < deadline, f"replica not replaced: {response.text}"
+            time.sleep(0.5)
+        assert response.json()["usage"]["completion_tokens"] == 3
+        assert httpx.get(f"{server}{prefix}/health", timeout=30).status_code == 200
+        print(f"served by a new replica {time.monotonic() - start:.1f}s after the death")
+    finally:
+        serve.delete(name)
+
+
+def test_rolling_update_drains_in_flight_stream(server):
+    """Case 20: redeploy the app while a ~4 s stream is in flight; it completes on the old
+    replicas, then a new request is served by a new LLMServer replica.
+
+    Every ``serve.run`` gives unversioned deployments a new random version, so both the
+    ingress and LLMServer replicas are replaced. With the default max_surge_percent=0 and
+    one replica, Serve stops the old replicas first: they drain (the in-flight stream ends
+    normally with finish_reason, usage and ``data: [DONE]``, no error event), and only then
+    does the app serve again once the new replicas have started (~20 s on 2 CPUs, during
+    which this app has no replica). ``serve.run`` returns after the stream has ended.
+    """
+    import threading
+
+    name, prefix = "rolling", "/rolling"
+    options = {"graceful_shutdown_timeout_s": 20, "graceful_shutdown_wait_loop_s": 0.5}
+    serve.run(_side_app(SlowEngine, **options), name=name, route_prefix=prefix)
+    try:
+        url = f"{server}{prefix}/v1/completions"
+        old_replica = _llm_replica_id(name)
+        body = {
+            "model": MODEL,
+            "prompt": [5, 6],
+            "max_tokens": 40,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        started = threading.Event()
+        events: list[str] = []
+        done_at: list[float] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", url, json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+                        started.set()
+            done_at.append(time.monotonic())
+            started.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert started.wait(30) and not done_at
+        serve.run(
+            _side_app(SlowEngine, stall_timeout_s=31.0, **options), name=name, route_prefix=prefix
+        )
+        redeployed_at = time.monotonic()
+        reader.join(60)
+        assert not reader.is_alive(), "in-flight stream hung across the redeploy"
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        assert all("error" not in c for c in chunks), chunks[-1]
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+        assert chunks[-1]["usage"]["completion_tokens"] == 40  # the whole stream arrived
+        short = {"model": MODEL, "prompt": [5, 6], "max_tokens": 3}
+        after = httpx.post(url, json=short, timeout=30)
+        assert after.status_code == 200, after.text
+        assert _llm_replica_id(name) != old_replica
+        print(f"stream ended {redeployed_at - done_at[0]:.1f}s before serve.run returned")
+    finally:
+        serve.delete(name)
