@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from neuron_runtime.embedding import EmbeddingEngine, EmbeddingResult
 from neuron_runtime.engine import LLMEngine, PromptType
@@ -99,7 +99,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them."""
         self._require_task("generate", "chat")
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        conversations = cast(
+            list[list[Message]],
+            messages if messages and isinstance(messages[0], list) else [messages],
+        )
         tokenizer = self.engine.tokenizer
         prompts = [{"prompt_token_ids": tokenizer.encode_chat(conv)} for conv in conversations]
         return self.generate(prompts, sampling_params)
