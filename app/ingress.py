@@ -224,17 +224,15 @@ class OpenAIIngress:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         num_top = request.top_logprobs or 0
 
+        head = {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+        }
+
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {
-                "id": response_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": choices,
-            }
-            if include_usage:
-                body["usage"] = usage
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            return _sse_chunk(head, choices, usage, include_usage)
 
         yield chunk(
             [
@@ -279,17 +277,10 @@ class OpenAIIngress:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         offsets = [0] * len(generation.choices)
 
+        head = {"id": response_id, "object": "text_completion", "created": created, "model": model}
+
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {
-                "id": response_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": choices,
-            }
-            if include_usage:
-                body["usage"] = usage
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            return _sse_chunk(head, choices, usage, include_usage)
 
         try:
             async for events in generation.events():
@@ -563,6 +554,17 @@ async def _collect(generation: Generation) -> list[tuple[str, list]]:
     except Exception as exc:  # EngineError, a lost replica: one 500 with the OpenAI body
         raise OpenAIError(500, f"generation failed: {_first_line(exc)}") from exc
     return outputs
+
+
+def _sse_chunk(
+    head: dict[str, Any], choices: list[dict], usage: dict | None, include_usage: bool
+) -> str:
+    """One SSE event of a streamed completion; ``usage`` is present (null until the end) only
+    when the client asked for it."""
+    body = {**head, "choices": choices}
+    if include_usage:
+        body["usage"] = usage
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def _first_line(exc: BaseException) -> str:
