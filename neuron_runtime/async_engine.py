@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from neuron_runtime.engine import EngineStats, LLMEngine, PromptType
 from neuron_runtime.engine_args import EngineArgs
+from neuron_runtime.kv_transfer import KVHandoff
 from neuron_runtime.outputs import RequestOutput, RequestOutputKind
 from neuron_runtime.sampling_params import SamplingParams
 
@@ -32,6 +33,8 @@ class _Add:
     prompt: PromptType
     params: SamplingParams
     kind: RequestOutputKind
+    export_kv: bool = False
+    handoff: KVHandoff | None = None
 
 
 @dataclass
@@ -66,11 +69,16 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         kind: RequestOutputKind = RequestOutputKind.DELTA,
+        *,
+        export_kv: bool = False,
+        handoff: KVHandoff | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they come; the last one has ``finished=True``.
 
         Invalid input raises ValueError before anything is queued. Leaving the iterator early
         (client gone, task cancelled) aborts the request and frees its KV blocks.
+        ``export_kv`` and ``handoff`` select the prefill and decode roles
+        (``LLMEngine.add_request``).
         """
         self._check_alive()
         request_id = request_id or uuid.uuid4().hex
@@ -79,7 +87,7 @@ class AsyncEngine:
         if request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._sinks[request_id] = (loop, sink)
-        self._commands.put(_Add(request_id, prompt, params, kind))
+        self._commands.put(_Add(request_id, prompt, params, kind, export_kv, handoff))
         finished = False
         try:
             while True:
@@ -153,7 +161,14 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.kind)
+            self.engine.add_request(
+                cmd.request_id,
+                cmd.prompt,
+                cmd.params,
+                cmd.kind,
+                export_kv=cmd.export_kv,
+                handoff=cmd.handoff,
+            )
         except ValueError as exc:
             self._send(cmd.request_id, exc)
 

@@ -8,6 +8,7 @@ from neuron_runtime.backends import get_backend
 from neuron_runtime.config import EngineConfig
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.kv_cache import KVCacheManager
+from neuron_runtime.kv_transfer import KVHandoff, KVMetadata, KVPayload
 from neuron_runtime.model_runner import ModelRunner
 from neuron_runtime.output_processor import OutputProcessor
 from neuron_runtime.outputs import RequestOutput, RequestOutputKind
@@ -33,6 +34,8 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_unfinished_outputs: int
+    num_kv_exports: int = 0  # requests handed off to a decode engine (prefill role)
+    num_kv_imports: int = 0  # requests continued from another engine's KV (decode role)
 
 
 class LLMEngine:
@@ -56,6 +59,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._handoffs: dict[str, KVHandoff] = {}  # parent id -> export waiting for its output
+        self.num_kv_exports = 0
+        self.num_kv_imports = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -71,8 +77,17 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        *,
+        export_kv: bool = False,
+        handoff: KVHandoff | None = None,
     ) -> None:
-        """Queues a request; ValueError (nothing queued) when the prompt or params are invalid."""
+        """Queues a request; ValueError (nothing queued) when the prompt or params are invalid.
+
+        Disaggregated serving uses two roles. ``export_kv`` (prefill): the request ends once
+        its first token is out, and its final output carries a ``KVHandoff``. ``handoff``
+        (decode): the request continues after the tokens the prefill engine produced, from
+        the imported KV (or by recomputing the prompt when the handoff has no payload).
+        """
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = self._tokenize(prompt)
@@ -80,32 +95,87 @@ class LLMEngine:
         vocab = self.config.model.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if (export_kv or handoff is not None) and params.n != 1:
+            raise ValueError("a KV handoff carries one sequence: split n > 1 into n requests")
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         )
         eos = self.tokenizer.eos_token_id
+        requests = []
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.child(index)
-            self.scheduler.add_request(Request(child_id, prompt_ids, child_params, eos))
-        self.output_processor.add(request_id, text, prompt_ids, params, child_ids, kind)
+            requests.append(Request(child_id, prompt_ids, child_params, eos))
+        prefilled = None
+        if handoff is not None:
+            prefilled = self._continue_from(requests[0], handoff)
+        for request in requests:
+            request.export_kv = export_kv
+            self.scheduler.add_request(request)
+        self.output_processor.add(
+            request_id, text, prompt_ids, params, child_ids, kind, prefilled=prefilled
+        )
+
+    def _continue_from(self, request: Request, handoff: KVHandoff) -> list[int]:
+        """Sets a decode-role request up after the handed-off tokens; returns those tokens."""
+        outputs = list(handoff.output_token_ids[0]) if handoff.output_token_ids else []
+        if not outputs:
+            raise ValueError("a KV handoff must carry the tokens the prefill side produced")
+        if request.max_tokens is not None and len(outputs) >= request.max_tokens:
+            raise ValueError("the handed-off tokens already reach max_tokens")
+        if handoff.payload is not None:
+            handoff.payload.check(self.config.model, request.prompt_token_ids)
+            request.kv_import = handoff.payload
+        request.all_token_ids.extend(outputs)
+        state = handoff.generator_state(0)
+        if state is not None and request.params.seed is not None:
+            self.runner.restore_generator(request.req_id, request.params.seed, state)
+        self.num_kv_imports += 1
+        return outputs
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         result = self.runner.execute(scheduled)
         updated = self.scheduler.update(scheduled, result.sampled, result.failed)
+        self._hand_off(updated)
         outputs, stopped = self.output_processor.process(updated, result.logprobs)
         for child_id in stopped:
             self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
         for request in updated:
             if request.status.finished:
                 self.runner.release(request.req_id)
+        for output in outputs:
+            if output.finished:
+                output.kv_handoff = self._handoffs.pop(output.request_id, None)
         return outputs
+
+    def _hand_off(self, updated: list[Request]) -> None:
+        """Prefill role: exports the prompt KV of requests whose first token just came out.
+
+        Their blocks are freed at once (they stay in the prefix cache); the payload is a copy.
+        """
+        for request in updated:
+            if not request.export_kv or request.status != RequestStatus.RUNNING:
+                continue  # not a prefill-role request, or it ended on its first token
+            prompt = request.prompt_token_ids
+            payload = KVPayload(
+                KVMetadata.describe(self.config.model, prompt),
+                self.runner.export_kv(request.block_table, len(prompt)),
+            )
+            parent_id = self.output_processor.child_to_parent[request.req_id]
+            self._handoffs[parent_id] = KVHandoff(
+                payload,
+                [request.output_token_ids],
+                [self.runner.generator_state(request.req_id)],
+            )
+            self.scheduler.finish(request.req_id, RequestStatus.FINISHED_HANDED_OFF)
+            self.num_kv_exports += 1
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request wherever it is and frees its blocks; returns its final output."""
         for child_id in self.output_processor.child_ids(request_id):
             self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
             self.runner.release(child_id)
+        self._handoffs.pop(request_id, None)
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -124,6 +194,8 @@ class LLMEngine:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_unfinished_outputs=len(self.output_processor.parents),
+            num_kv_exports=self.num_kv_exports,
+            num_kv_imports=self.num_kv_imports,
         )
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -6,13 +6,16 @@ to buckets in one place.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from neuron_runtime.backends import Backend
 from neuron_runtime.config import EngineConfig
+from neuron_runtime.kv_transfer import KVPayload
 from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice
 from neuron_runtime.loader import load_model
 from neuron_runtime.models.registry import model_class
@@ -69,10 +72,58 @@ class ModelRunner:
         """Forgets a finished request's random state."""
         self.generators.pop(req_id, None)
 
+    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        bs = self.block_size
+        return torch.tensor(
+            [block_table[p // bs] * bs + p % bs for p in range(num_tokens)], device=self.device
+        )
+
+    @torch.inference_mode()
+    def export_kv(self, block_table: list[int], num_tokens: int) -> np.ndarray:
+        """Copies the KV of a sequence's first ``num_tokens`` tokens out of the cache.
+
+        Returns [2, num_layers, num_kv_heads, num_tokens, head_dim] float32 (kv_transfer.py).
+        """
+        slots = self._slots(block_table, num_tokens)
+        layers = []
+        for k_cache, v_cache in self.kv_caches:
+            kvh, num_blocks, bs, d = k_cache.shape
+            flat = num_blocks * bs
+            k = k_cache.view(kvh, flat, d).index_select(1, slots)  # [kvh, T, d]
+            v = v_cache.view(kvh, flat, d).index_select(1, slots)
+            layers.append(torch.stack((k, v)))  # [2, kvh, T, d]
+        return torch.stack(layers, dim=1).cpu().numpy()
+
+    @torch.inference_mode()
+    def import_kv(self, block_table: list[int], payload: KVPayload) -> None:
+        """Writes a payload's tokens into the sequence's blocks (positions 0..num_tokens-1)."""
+        slots = self._slots(block_table, payload.metadata.num_tokens)
+        with warnings.catch_warnings():
+            # A read-only view of shared memory (Ray's object store): torch only reads it.
+            warnings.simplefilter("ignore", UserWarning)
+            kv = torch.from_numpy(payload.kv).to(self.device)  # [2, L, kvh, T, d]
+        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+            kvh, num_blocks, bs, d = k_cache.shape
+            k_cache.view(kvh, num_blocks * bs, d).index_copy_(1, slots, kv[0, layer])
+            v_cache.view(kvh, num_blocks * bs, d).index_copy_(1, slots, kv[1, layer])
+
+    def generator_state(self, req_id: str) -> np.ndarray | None:
+        """The request's seeded generator state (None when it samples unseeded or greedily)."""
+        gen = self.generators.get(req_id)
+        return None if gen is None else gen.get_state().numpy().copy()
+
+    def restore_generator(self, req_id: str, seed: int, state: np.ndarray) -> None:
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        gen.set_state(torch.from_numpy(np.array(state, dtype=np.uint8)))
+        self.generators[req_id] = gen
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         # Single-token slices (decodes) first: they are batched into one attention call.
         seqs = sorted(out.seqs, key=lambda s: len(s.token_ids) != 1)
+        for seq in seqs:
+            if seq.kv_import is not None:
+                self.import_kv(seq.block_table, seq.kv_import)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

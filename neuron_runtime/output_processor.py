@@ -61,7 +61,14 @@ class OutputProcessor:
         params: SamplingParams,
         child_ids: list[str],
         kind: RequestOutputKind,
+        prefilled: list[int] | None = None,
     ) -> None:
+        """Registers a request's sequences.
+
+        ``prefilled``: tokens of its one sequence that another engine produced and already
+        returned (decode role). They count as output but are not delivered again; their
+        logprobs belong to that engine's output, so their entries here are empty.
+        """
         seqs = {}
         for index, child_id in enumerate(child_ids):
             detok = stop = None
@@ -74,6 +81,8 @@ class OutputProcessor:
             seq = _Sequence(index, detok, stop)
             if params.logprobs is not None:
                 seq.logprobs = []
+            if prefilled:
+                self._mark_delivered(seq, prefilled)
             seqs[child_id] = seq
             self.child_to_parent[child_id] = request_id
         self.parents[request_id] = _Parent(
@@ -115,6 +124,18 @@ class OutputProcessor:
                     seq.stop_reason = request.stop_reason
             touched[parent.request_id] = parent
         return [out for p in touched.values() if (out := self._output(p)) is not None], stopped
+
+    @staticmethod
+    def _mark_delivered(seq: _Sequence, token_ids: list[int]) -> None:
+        seq.token_ids = list(token_ids)
+        seq.sent_tokens = len(token_ids)
+        if seq.logprobs is not None:
+            seq.logprobs = [{} for _ in token_ids]
+        if seq.detokenizer is not None:
+            seq.text = seq.detokenizer.update(list(token_ids))
+            seq.sent_text = len(seq.text)
+        if seq.stop is not None:
+            seq.stop.skip(seq.text)
 
     @staticmethod
     def _check_stop_strings(request: Request, seq: _Sequence, stopped: list[str]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from neuron_runtime.kv_transfer import KVHandoff
+
 
 class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries all text and tokens so far
@@ -40,3 +42,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Prefill role: the prompt's KV and the first token, for a decode engine to continue.
+    kv_handoff: KVHandoff | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from neuron_runtime.kv_transfer import KVPayload
 from neuron_runtime.sampling_params import SamplingParams
 
 
@@ -16,6 +17,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    # Prefill role: the first token is out and the KV exported; a decode engine goes on.
+    FINISHED_HANDED_OFF = 7
 
     @property
     def finished(self) -> bool:
@@ -27,6 +30,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_HANDED_OFF: "handoff",
 }
 
 
@@ -60,6 +64,11 @@ class Request:
         self.error: str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        # Prefill role: hand the request off (export its KV) once its first token is out.
+        self.export_kv = False
+        # Decode role: KV of the prompt computed elsewhere, written into the cache when the
+        # request is admitted (dropped on preemption: a preempted request recomputes).
+        self.kv_import: KVPayload | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from neuron_runtime.config import SchedulerConfig
 from neuron_runtime.kv_cache import KVCacheManager
+from neuron_runtime.kv_transfer import KVPayload
 from neuron_runtime.request import Request, RequestStatus
 from neuron_runtime.sampling_params import SamplingParams
 
@@ -28,6 +29,8 @@ class ScheduledSeq:
     # The tokens penalties look at; filled only when the params carry a penalty.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # KV of the first ``kv_import.metadata.num_tokens`` tokens, to write before this slice runs.
+    kv_import: KVPayload | None = None
 
 
 @dataclass
@@ -92,8 +95,12 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            request.num_cached_tokens = self.kv.match_prefix(request)
-            request.num_computed_tokens = request.num_cached_tokens
+            if request.kv_import is not None:
+                # Imported KV counts as computed: only the tokens after it need a forward pass.
+                request.num_computed_tokens = request.kv_import.metadata.num_tokens
+            else:
+                request.num_cached_tokens = self.kv.match_prefix(request)
+                request.num_computed_tokens = request.num_cached_tokens
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget and self.config.enable_chunked_prefill:
                 num_new = budget
@@ -104,13 +111,17 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            self.kv.record_admission(request.num_tokens, request.num_cached_tokens)
+            seq = self._slice(request, num_new)
+            if request.kv_import is not None:
+                seq.kv_import, request.kv_import = request.kv_import, None
+            else:
+                self.kv.record_admission(request.num_tokens, request.num_cached_tokens)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             budget -= num_new
-            out.seqs.append(self._slice(request, num_new))
+            out.seqs.append(seq)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
