@@ -8,21 +8,48 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from app.ingress import OpenAIIngress
+from deployments.decode import DecodeServer
 from deployments.embedding import EmbeddingServer
 from deployments.llm_server import LLMServer
+from deployments.prefill import PrefillServer
 from neuron_runtime.engine_args import EngineArgs
+from router.pd_router import PDRouter
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
 
 
+class DisaggregationArgs(BaseModel):
+    """Prefill/decode split: KV handoff failure policy and prefill routing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # A decode replica waits this long for a prefilled request's KV, then applies the policy:
+    # "recompute" runs the prompt on the decode replica, "fail" ends the request with an error.
+    kv_fetch_timeout_s: float = Field(10.0, gt=0)
+    on_kv_failure: Literal["recompute", "fail"] = "recompute"
+    # A prefill replica lost mid-call: retry on another this many times.
+    prefill_retries: int = Field(1, ge=0)
+    # Prefix affinity: prefer the replica holding this share of the prompt's blocks, unless
+    # its queue is longer than the shortest by more than max_imbalance.
+    min_match_share: float = Field(0.5, gt=0, le=1)
+    max_imbalance: int = Field(8, ge=0)
+    routing_stats_period_s: float = Field(1.0, gt=0)
+
+
 class BuildArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    # "colocated": one LLMServer deployment runs prefill and decode; "disaggregated": a
+    # PDRouter in front of PrefillServer and DecodeServer deployments.
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    disaggregation: DisaggregationArgs = Field(default_factory=DisaggregationArgs)
 
     model: str = "smollm2-135m-instruct"
     served_model_name: str | None = None
@@ -67,12 +94,17 @@ def build_openai_app(
     llm_engine_cls: type | None = None,
     llm_options: dict[str, Any] | None = None,
     ingress_options: dict[str, Any] | None = None,
+    prefill_options: dict[str, Any] | None = None,
+    decode_options: dict[str, Any] | None = None,
 ) -> Application:
     """The application, with hooks for tests: a fake engine class and deployment options."""
     engine_args = args.full_engine_args()
-    llm = LLMServer.options(**(llm_options or {})).bind(
-        engine_args, llm_engine_cls, args.health_stall_timeout_s
-    )
+    if args.mode == "disaggregated":
+        llm = _disaggregated(args, llm_engine_cls, prefill_options, decode_options)
+    else:
+        llm = LLMServer.options(**(llm_options or {})).bind(
+            engine_args, llm_engine_cls, args.health_stall_timeout_s
+        )
     embedder = EmbeddingServer.bind(args.embedding_model) if args.embedding_model else None
     config = {
         "served_model_name": args.served_model_name or args.model,
@@ -84,3 +116,39 @@ def build_openai_app(
         "max_prompts": args.max_prompts,
     }
     return OpenAIIngress.options(**(ingress_options or {})).bind(llm, embedder, config)
+
+
+def _disaggregated(
+    args: BuildArgs,
+    engine_cls: type | None,
+    prefill_options: dict[str, Any] | None,
+    decode_options: dict[str, Any] | None,
+) -> Any:
+    """PDRouter -> PrefillServer (prefix-affinity routed) and DecodeServer (KV-capacity routed)."""
+    engine_args = args.full_engine_args()
+    pd = args.disaggregation
+    prefill = PrefillServer.options(
+        request_router_config=RequestRouterConfig(
+            request_router_class="router.request_routers:PrefixAffinityRouter",
+            request_router_kwargs={
+                "min_match_share": pd.min_match_share,
+                "max_imbalance": pd.max_imbalance,
+            },
+            request_routing_stats_period_s=pd.routing_stats_period_s,
+        ),
+        **(prefill_options or {}),
+    ).bind(engine_args, engine_cls, args.health_stall_timeout_s)
+    decode = DecodeServer.options(
+        request_router_config=RequestRouterConfig(
+            request_router_class="router.request_routers:KVCapacityRouter",
+            request_routing_stats_period_s=pd.routing_stats_period_s,
+        ),
+        **(decode_options or {}),
+    ).bind(
+        engine_args,
+        engine_cls,
+        args.health_stall_timeout_s,
+        pd.kv_fetch_timeout_s,
+        pd.on_kv_failure,
+    )
+    return PDRouter.bind(prefill, decode, pd.prefill_retries)

@@ -8,7 +8,6 @@ raised from ``events()``; the caller turns them into an SSE error event.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from app.metrics import RequestTimer
 from app.text import SequenceText, TokenLogprobs
 from deployments.protocol import StepOutput
+from router.streams import merge
 
 
 class EngineError(RuntimeError):
@@ -86,7 +86,7 @@ class Generation:
         """Per engine step, the choices with new text, logprobs or a finish reason."""
         reported: set[int] = set()
         try:
-            async for prompt_index, step in _merge([s.steps() for s in self.streams]):
+            async for prompt_index, step in merge([s.steps() for s in self.streams]):
                 self._account(step)
                 events = []
                 for delta in step.seqs:
@@ -127,39 +127,12 @@ class Generation:
         self.timer.tokens(sum(len(d.token_ids) for d in step.seqs))
         if step.queue_time_s is not None:
             self.timer.metrics.queue_time.observe(step.queue_time_s)
+        transfer = step.kv_transfer
+        if transfer is not None:
+            if transfer.failed:
+                self.timer.metrics.kv_transfer_failures.inc()
+            elif transfer.transport != "recompute":
+                self.timer.metrics.observe_kv_transfer(
+                    transfer.transport, transfer.num_bytes, transfer.seconds
+                )
         self.timer.metrics.update_engine_stats(step.stats)
-
-
-_END = object()
-
-
-async def _merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Items of several async iterators as they come, tagged with the iterator's index."""
-    if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, iterator: AsyncIterator[Any]) -> None:
-        try:
-            async for item in iterator:
-                await queue.put((index, item, None))
-            await queue.put((index, _END, None))
-        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
-            await queue.put((index, None, exc))
-
-    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if item is _END:
-                remaining -= 1
-                continue
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()

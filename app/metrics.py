@@ -74,6 +74,8 @@ class _EngineStatsCollector:
             ("vllm:num_preemptions", "Preemptions by the engines", "num_preemptions"),
             ("vllm:prefix_cache_queries", "Prompt tokens looked up", "prefix_cache_queries"),
             ("vllm:prefix_cache_hits", "Prompt tokens found cached", "prefix_cache_hits"),
+            ("neuron:kv_exports", "Requests handed off by prefill replicas", "num_kv_exports"),
+            ("neuron:kv_imports", "Requests continued by decode replicas", "num_kv_imports"),
         )
         for name, doc, key in counters:
             counter = CounterMetricFamily(name, doc, labels=labels)
@@ -118,6 +120,25 @@ class ServingMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         ).labels(model_name)
+        self.kv_transfer_seconds = Histogram(
+            "neuron:kv_transfer_seconds",
+            "Time a decode replica waited for a prefilled request's KV",
+            [*labels, "transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "neuron:kv_transfer_bytes",
+            "KV bytes moved from prefill to decode replicas",
+            [*labels, "transport"],
+            registry=r,
+        )
+        self.kv_transfer_failures = Counter(
+            "neuron:kv_transfer_failures",
+            "KV fetches that failed or timed out (the prompt was recomputed or the request failed)",
+            labels,
+            registry=r,
+        ).labels(model_name)
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Time waiting before the engine scheduled it",
@@ -126,9 +147,14 @@ class ServingMetrics:
             registry=r,
         ).labels(model_name)
 
-    def update_engine_stats(self, stats: dict[str, Any] | None) -> None:
-        if stats:
-            self.engine.update(stats)
+    def update_engine_stats(self, stats: dict[str, Any] | list[dict[str, Any]] | None) -> None:
+        """One replica's snapshot, or a list of them (a PD router reports every replica)."""
+        for snapshot in stats if isinstance(stats, list) else [stats] if stats else []:
+            self.engine.update(snapshot)
+
+    def observe_kv_transfer(self, transport: str, num_bytes: int, seconds: float) -> None:
+        self.kv_transfer_seconds.labels(self.model_name, transport).observe(seconds)
+        self.kv_transfer_bytes.labels(self.model_name, transport).inc(num_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,12 +1,15 @@
-"""Plain data that crosses the Ray boundary between the ingress and the LLM deployment.
+"""Plain data that crosses the Ray boundaries between ingress, router and engine deployments.
 
-Only ints, floats, strings and lists of them: no torch tensors, no live engine objects.
+Only ints, floats, strings, lists of them, numpy arrays and object refs: no torch tensors, no
+live engine objects.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -43,3 +46,39 @@ class StepOutput:
     queue_time_s: float | None = None
     # The serving replica's load after this step, on the last output only.
     stats: dict[str, Any] | None = field(default=None)
+    # Disaggregated serving, on the first decode output: how the prompt's KV arrived.
+    kv_transfer: KVTransferInfo | None = None
+
+
+@dataclass
+class KVTransferInfo:
+    transport: str  # "object_store" | "recompute"
+    num_bytes: int
+    seconds: float  # from the decode replica asking for the KV to holding it
+    failed: bool = False  # the fetch failed or timed out (then the prompt was recomputed)
+
+
+@dataclass
+class PrefillResult:
+    """A prefill replica's answer: the first token and, unless the request already ended,
+    a reference to the prompt's KV (a neuron_runtime.kv_transfer.KVPayload in Ray's object
+    store, owned by the prefill replica and alive while the router holds this reference)."""
+
+    step: StepOutput
+    kv_ref: Any = None  # ray.ObjectRef | None
+    num_kv_bytes: int = 0
+    generator_state: np.ndarray | None = None  # the seeded sampler's state after token 1
+    replica_id: str = ""
+
+
+@dataclass
+class DecodeRequest:
+    """Continue a prefilled request: its prompt, the tokens already sent, and its KV."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    output_token_ids: list[int]
+    kv_ref: Any = None  # ray.ObjectRef | None: None means recompute the prompt
+    num_kv_bytes: int = 0
+    generator_state: np.ndarray | None = None

@@ -1,0 +1,82 @@
+"""What every engine-owning deployment shares: one AsyncEngine per replica, stats, health."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+from ray import serve
+
+from deployments.protocol import SeqDelta, StepOutput
+from neuron_runtime import AsyncEngine, EngineArgs
+from neuron_runtime.outputs import RequestOutput
+
+
+class EngineReplica:
+    """Base of LLMServer, PrefillServer and DecodeServer; tests may pass a fake ``engine_cls``."""
+
+    def __init__(
+        self,
+        engine_args: dict[str, Any],
+        engine_cls: type | None = None,
+        stall_timeout_s: float = 30.0,
+    ) -> None:
+        # Several replicas, the ingress and Ray share the CPUs: oversubscribed torch thread
+        # pools slow every process down (PERF.md).
+        torch.set_num_threads(1)
+        engine_cls = engine_cls or AsyncEngine
+        args = EngineArgs(**engine_args)
+        self.engine = engine_cls.from_engine_args(args)
+        self.block_size = args.block_size
+        self.stall_timeout_s = stall_timeout_s
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except RuntimeError:  # constructed outside a replica (unit tests, benchmarks)
+            self.replica_id = "local"
+
+    def stats(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}
+
+    def check_health(self) -> None:
+        """Ray Serve's health probe: raises when the engine loop died or is stuck."""
+        self.engine.check_health(stall_timeout_s=self.stall_timeout_s)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Load figures Serve hands to this deployment's request router (router/)."""
+        stats = self.engine.stats()
+        return {
+            "report_id": time.time(),
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_free_blocks": stats.num_kv_blocks_free,
+            "kv_total_blocks": stats.num_kv_blocks_total,
+            "block_size": self.block_size,
+        }
+
+
+def to_step_output(out: RequestOutput, with_queue_time: bool = False) -> StepOutput:
+    seqs = [
+        SeqDelta(
+            index=c.index,
+            token_ids=list(c.token_ids),
+            logprobs=c.logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason if isinstance(c.stop_reason, int) else None,
+        )
+        for c in out.outputs
+        if c.token_ids or c.finish_reason is not None
+    ]
+    queue_time = None
+    scheduled = out.metrics.get("first_scheduled_time")
+    if with_queue_time and scheduled is not None:
+        queue_time = max(0.0, scheduled - out.metrics["arrival_time"])
+    return StepOutput(
+        seqs=seqs,
+        num_prompt_tokens=len(out.prompt_token_ids),
+        num_cached_tokens=out.num_cached_tokens,
+        finished=out.finished,
+        error=out.error,
+        queue_time_s=queue_time,
+    )

@@ -1,0 +1,156 @@
+"""The orchestration deployment of disaggregated serving: prefill -> KV handoff -> decode.
+
+It speaks the LLMServer protocol to the ingress (``generate`` streams StepOutputs, plus
+``stats`` and ``check_health``), so the ingress does not know whether the engine behind it is
+colocated or split. Per request:
+
+    prefill replica (PrefixAffinityRouter)  -> first token, KV ref   -> streamed at once
+    decode replica (KVCapacityRouter)       <- prompt, first token, KV ref
+                                            -> the other tokens      -> streamed
+
+The first token goes to the client before the KV moves, so the handoff adds to the second
+token's latency, not to TTFT. ``n > 1`` is split into n single-sequence pipelines (child i
+gets seed + i, as in the engine) whose streams are merged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from deployments.protocol import (
+    DecodeRequest,
+    GenerateRequest,
+    PrefillResult,
+    SeqDelta,
+    StepOutput,
+)
+from router.streams import merge
+
+logger = logging.getLogger("ray.serve")
+
+# A replica that died or became unreachable mid-call; the request may be retried elsewhere.
+REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
+
+
+def child_sampling(sampling: dict[str, Any], index: int) -> dict[str, Any]:
+    """The i-th of n parallel samples as its own request (SamplingParams.child's rule)."""
+    seed = sampling.get("seed")
+    return {**sampling, "n": 1, "seed": None if seed is None else seed + index}
+
+
+@serve.deployment(name="PDRouter", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
+class PDRouter:
+    def __init__(
+        self, prefill: DeploymentHandle, decode: DeploymentHandle, prefill_retries: int = 1
+    ) -> None:
+        self.prefill = prefill
+        self.decode_unary = decode
+        self.decode = decode.options(stream=True)
+        self.prefill_retries = prefill_retries
+        self.replica_stats: dict[str, dict[str, Any]] = {}  # latest snapshot per engine replica
+        self.num_kv_refs_held = 0
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except RuntimeError:  # constructed outside a replica (unit tests)
+            self.replica_id = "local"
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
+        """Streams the request's StepOutputs; errors propagate like LLMServer's."""
+        n = int(request.sampling.get("n") or 1)
+        if n == 1:
+            async for step in self._pipeline(request):
+                yield step
+            return
+        children = [
+            self._pipeline(
+                GenerateRequest(
+                    f"{request.request_id}#{i}",
+                    request.prompt_token_ids,
+                    child_sampling(request.sampling, i),
+                ),
+                index=i,
+            )
+            for i in range(n)
+        ]
+        async for _, step in merge(children):
+            yield step
+
+    async def _pipeline(
+        self, request: GenerateRequest, index: int = 0
+    ) -> AsyncIterator[StepOutput]:
+        result = await self._prefill(request)
+        self._note(result.step.stats)
+        yield _reindexed(result.step, index)
+        if result.kv_ref is None:
+            return  # the request ended on its first token
+        decode_request = DecodeRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            output_token_ids=[t for seq in result.step.seqs for t in seq.token_ids],
+            kv_ref=result.kv_ref,
+            num_kv_bytes=result.num_kv_bytes,
+            generator_state=result.generator_state,
+        )
+        del result
+        self.num_kv_refs_held += 1
+        stream = self.decode.generate.remote(decode_request)
+        del decode_request  # Ray keeps the KV alive until the decode call ends
+        try:
+            async for step in stream:
+                self._note(step.stats)
+                yield _reindexed(step, index)
+        finally:
+            stream.cancel()  # a no-op once the stream has ended
+            self.num_kv_refs_held -= 1
+
+    async def _prefill(self, request: GenerateRequest) -> PrefillResult:
+        """One prefill call, retried once on another replica if the replica was lost."""
+        for attempt in range(self.prefill_retries + 1):
+            response = self.prefill.prefill.remote(request)
+            try:
+                return await response
+            except asyncio.CancelledError:
+                response.cancel()
+                raise
+            except REPLICA_LOST as exc:
+                if attempt == self.prefill_retries:
+                    raise
+                logger.warning(
+                    "prefill replica lost for %s (%r); retrying", request.request_id, exc
+                )
+        raise AssertionError("unreachable")
+
+    def _note(self, stats: dict[str, Any] | None) -> None:
+        if stats:
+            self.replica_stats[str(stats.get("replica_id"))] = {**stats, "seen_at": time.time()}
+
+    def stats(self) -> list[dict[str, Any]]:
+        """The latest load snapshot of every engine replica this router has heard from, and
+        this router's own (KV references it holds for requests being decoded)."""
+        own = {"replica_id": f"router:{self.replica_id}", "num_kv_refs_held": self.num_kv_refs_held}
+        return [*self.replica_stats.values(), own]
+
+    async def check_health(self) -> None:
+        """Healthy when a prefill and a decode replica answer their health probe."""
+        await asyncio.gather(
+            self.prefill.check_health.remote(),
+            self.decode.options(stream=False).check_health.remote(),
+        )
+
+
+def _reindexed(step: StepOutput, index: int) -> StepOutput:
+    if index:
+        step.seqs = [
+            SeqDelta(index, s.token_ids, s.logprobs, s.finish_reason, s.stop_reason)
+            for s in step.seqs
+        ]
+    return step
