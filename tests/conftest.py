@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,36 @@ def tiny_llama3_tied_path(tmp_path_factory, default_model_path) -> Path:
             "original_max_position_embeddings": 64,
         },
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_cluster():
+    """One local Ray cluster and Serve instance for every Serve test module; the base URL.
+
+    Everything listens on 127.0.0.1. Logical CPUs are more than the machine's two so that
+    several small test applications fit; their replicas mostly wait.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray starts
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    port = _free_port()
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=4,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()

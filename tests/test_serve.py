@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 import time
 
@@ -96,49 +95,34 @@ class SlowEngine(FakeEngine):
     step_s = 0.1
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
-def server():
+def server(serve_cluster):
     from app.builder import BuildArgs, build_openai_app
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    port = _free_port()
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=2,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
+    engine_args = {"num_kv_blocks": 256}
+    main = build_openai_app(
+        BuildArgs(max_model_len=MAX_MODEL_LEN, engine_args=engine_args),
+        llm_options={"ray_actor_options": {"num_cpus": 1.0}},
+        ingress_options={"ray_actor_options": {"num_cpus": 0.25}},
     )
+    fake = build_openai_app(
+        BuildArgs(max_model_len=MAX_MODEL_LEN, embedding_model=None, api_key=API_KEY),
+        llm_engine_cls=FakeEngine,
+        llm_options={
+            "max_ongoing_requests": 1,
+            "max_queued_requests": 1,
+            "ray_actor_options": {"num_cpus": 0.1},
+        },
+        ingress_options={"ray_actor_options": {"num_cpus": 0.1}},
+    )
+    serve.run(main, name="main", route_prefix="/")
+    serve.run(fake, name="fake", route_prefix="/fake")
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        engine_args = {"num_kv_blocks": 256}
-        main = build_openai_app(
-            BuildArgs(max_model_len=MAX_MODEL_LEN, engine_args=engine_args),
-            llm_options={"ray_actor_options": {"num_cpus": 1.0}},
-            ingress_options={"ray_actor_options": {"num_cpus": 0.25}},
-        )
-        fake = build_openai_app(
-            BuildArgs(max_model_len=MAX_MODEL_LEN, embedding_model=None, api_key=API_KEY),
-            llm_engine_cls=FakeEngine,
-            llm_options={
-                "max_ongoing_requests": 1,
-                "max_queued_requests": 1,
-                "ray_actor_options": {"num_cpus": 0.1},
-            },
-            ingress_options={"ray_actor_options": {"num_cpus": 0.1}},
-        )
-        serve.run(main, name="main", route_prefix="/")
-        serve.run(fake, name="fake", route_prefix="/fake")
-        yield f"http://127.0.0.1:{port}"
+        yield serve_cluster
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete("main")
+        serve.delete("fake")
 
 
 @pytest.fixture(scope="session")

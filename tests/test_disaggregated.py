@@ -1,0 +1,488 @@
+"""Disaggregated serving on a local Ray cluster: ingress -> PDRouter -> prefill -> decode.
+
+Applications on the shared cluster (conftest.serve_cluster):
+- ``pd`` (/pd): the real default model, two prefill replicas and one decode replica;
+- ``colo`` (/colo): the same model colocated (one LLMServer), the baseline;
+- ``pdfault`` (/pdfault): a tiny random-weight Llama, prefill replicas whose engine exits the
+  process on a marked request (once), for the failure cases.
+References: the offline ``LLM`` on the same weights, and the colocated app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.ray
+
+openai = pytest.importorskip("openai")
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from neuron_runtime import LLM, AsyncEngine, SamplingParams  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+MAX_MODEL_LEN = 1024
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant who answers questions about geography in one sentence. "
+    "Always name the country and the continent, and never use lists or bullet points.",
+    "You are a careful math tutor. Explain every step of a calculation in plain words, check "
+    "the result at the end, and keep the whole answer under fifty words.",
+    "You are a poet who answers every question with a short rhyming couplet about the sea, "
+    "the wind and the stars, whatever the topic of the question is.",
+]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Tell me about the Nile river and the cities along it.",
+    "How many legs does a spider have?",
+    "Why is the sky blue during the day and red at sunset?",
+]
+DIE_MARKER_ENV = "NEURON_SERVE_TEST_DIE_MARKER"
+
+
+class DieOnceEngine(AsyncEngine):
+    """An AsyncEngine whose prefill role exits the process while a marker file exists, once:
+    the first replica to see a prefill request deletes the marker and dies mid-call."""
+
+    async def generate(self, prompt, params, request_id=None, kind=None, **kwargs):  # noqa: ANN001, ANN201
+        marker = os.environ.get(DIE_MARKER_ENV)
+        if kwargs.get("export_kv") and marker and os.path.exists(marker):
+            os.remove(marker)
+            os._exit(1)
+        async for out in super().generate(prompt, params, request_id, kind, **kwargs):
+            yield out
+
+
+# -- fixtures -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pd_server(serve_cluster):
+    from app.builder import BuildArgs, build_openai_app
+
+    engine_args = {"num_kv_blocks": 256}
+    small = {"ray_actor_options": {"num_cpus": 0.1}}
+    pd = build_openai_app(
+        BuildArgs(
+            mode="disaggregated",
+            max_model_len=MAX_MODEL_LEN,
+            embedding_model=None,
+            engine_args=engine_args,
+        ),
+        prefill_options={"num_replicas": 2, **small},
+        decode_options=small,
+        ingress_options=small,
+    )
+    colo = build_openai_app(
+        BuildArgs(max_model_len=MAX_MODEL_LEN, embedding_model=None, engine_args=engine_args),
+        llm_options=small,
+        ingress_options=small,
+    )
+    serve.run(pd, name="pd", route_prefix="/pd")
+    serve.run(colo, name="colo", route_prefix="/colo")
+    try:
+        yield serve_cluster
+    finally:
+        serve.delete("pd")
+        serve.delete("colo")
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(model=MODEL, max_model_len=MAX_MODEL_LEN, num_kv_blocks=256)
+
+
+def client(base: str, prefix: str):
+    return openai.OpenAI(
+        base_url=f"{base}{prefix}/v1", api_key="unused", max_retries=0, timeout=180
+    )
+
+
+def replica_stats(deployment: str, app: str, num_replicas: int) -> dict[str, dict]:
+    """Fresh stats of every replica of a deployment (its router picks replicas at random)."""
+    handle = serve.get_deployment_handle(deployment, app_name=app)
+    seen: dict[str, dict] = {}
+    for _ in range(60):
+        stats = handle.stats.remote().result(timeout_s=30)
+        seen[stats["replica_id"]] = stats
+        if len(seen) == num_replicas:
+            return seen
+    raise AssertionError(f"saw {len(seen)} of {num_replicas} {deployment} replicas")
+
+
+def router_kv_refs(app: str) -> int:
+    handle = serve.get_deployment_handle("PDRouter", app_name=app)
+    stats = handle.stats.remote().result(timeout_s=30)
+    return sum(s.get("num_kv_refs_held", 0) for s in stats)
+
+
+def wait_idle(app: str, num_prefill: int, timeout_s: float = 60.0) -> None:
+    """Every prefill and decode replica back to an empty engine, the router holding no KV."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = [
+            *replica_stats("PrefillServer", app, num_prefill).values(),
+            *replica_stats("DecodeServer", app, 1).values(),
+        ]
+        busy = [
+            s
+            for s in stats
+            if s["num_running"]
+            or s["num_waiting"]
+            or s["num_unfinished_outputs"]
+            or s["num_kv_blocks_used"]
+        ]
+        refs = router_kv_refs(app)
+        if not busy and refs == 0:
+            return
+        assert time.monotonic() < deadline, f"not idle: {busy}, router KV refs {refs}"
+        time.sleep(0.3)
+
+
+def metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# -- correctness --------------------------------------------------------------------------
+
+
+def test_concurrent_mixed_greedy_equals_colocated_and_offline(pd_server, offline):
+    chats = [
+        [{"role": "system", "content": SYSTEM_PROMPTS[i % 3]}, {"role": "user", "content": q}]
+        for i, q in enumerate(QUESTIONS + QUESTIONS[:2])
+    ]
+    chats.append([{"role": "user", "content": "Hi"}])
+    lengths = [8 + 5 * i for i in range(len(chats))]
+
+    def ask(prefix: str, i: int) -> tuple[str, int]:
+        reply = client(pd_server, prefix).chat.completions.create(
+            model=MODEL, messages=chats[i], temperature=0, max_tokens=lengths[i]
+        )
+        return reply.choices[0].message.content, reply.usage.completion_tokens
+
+    with ThreadPoolExecutor(len(chats)) as pool:
+        pd = list(pool.map(lambda i: ask("/pd", i), range(len(chats))))
+        colo = list(pool.map(lambda i: ask("/colo", i), range(len(chats))))
+    expected = [
+        offline.chat(chat, SamplingParams(temperature=0, max_tokens=n))[0].outputs[0]
+        for chat, n in zip(chats, lengths, strict=True)
+    ]
+    for i, out in enumerate(expected):
+        assert pd[i] == colo[i] == (out.text, len(out.token_ids)), chats[i]
+    wait_idle("pd", 2)
+
+
+def test_streaming_n2_seeded_equals_offline(pd_server, offline):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=5)
+    whole = client(pd_server, "/pd").completions.create(**kwargs, n=2)
+    streamed = {0: "", 1: ""}
+    for chunk in client(pd_server, "/pd").completions.create(**kwargs, n=2, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=10)
+    expected = [c.text for c in offline.generate("Once upon a time", params)[0].outputs]
+    assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == expected
+    assert [streamed[0], streamed[1]] == expected
+    assert whole.usage.completion_tokens == 20
+    wait_idle("pd", 2)
+
+
+def test_bad_parameters_are_400_through_the_router(pd_server):
+    url = f"{pd_server}/pd/v1/completions"
+    too_long = {"model": MODEL, "prompt": [5] * MAX_MODEL_LEN, "max_tokens": 1}
+    assert httpx.post(url, json=too_long, timeout=30).status_code == 400
+    bad_temp = {"model": MODEL, "prompt": "Hi", "temperature": -1}
+    response = httpx.post(url, json=bad_temp, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "temperature"
+    one = {"model": MODEL, "prompt": [5] * (MAX_MODEL_LEN - 1), "max_tokens": 1}
+    assert httpx.post(url, json=one, timeout=120).status_code == 200
+    wait_idle("pd", 2)
+
+
+def test_prefix_affinity_keeps_shared_system_prompts_on_one_replica(pd_server):
+    """Requests sharing a system prompt go to the prefill replica that cached it, so every
+    request after the first of its group hits the whole shared prefix (full blocks)."""
+    metrics_url = f"{pd_server}/pd/metrics"
+    before = httpx.get(metrics_url, timeout=30).text
+    pd = client(pd_server, "/pd")
+    tokenizer = LLMTokenizer.get()
+    expected_hits = 0
+    for system in SYSTEM_PROMPTS:
+        shared = tokenizer.shared_prefix_len(system, QUESTIONS)
+        expected_hits += (len(QUESTIONS) - 1) * (shared // 16) * 16
+        for question in QUESTIONS:
+            pd.chat.completions.create(
+                model=MODEL,
+                messages=[
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ],
+                temperature=0,
+                max_tokens=2,
+            )
+    wait_idle("pd", 2)
+    after = httpx.get(metrics_url, timeout=30).text
+    hits = metric(after, "vllm:prefix_cache_hits_total") - metric(
+        before, "vllm:prefix_cache_hits_total"
+    )
+    queries = metric(after, "vllm:prefix_cache_queries_total") - metric(
+        before, "vllm:prefix_cache_queries_total"
+    )
+    print(f"prefix cache: {hits:.0f} of {queries:.0f} prompt tokens hit (>= {expected_hits})")
+    assert hits >= expected_hits > 0
+
+
+class LLMTokenizer:
+    """The default model's tokenizer and chat template, loaded once."""
+
+    _instance = None
+
+    def __init__(self) -> None:
+        from neuron_runtime.model_store import resolve_model
+        from neuron_runtime.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer(resolve_model(MODEL))
+
+    @classmethod
+    def get(cls) -> LLMTokenizer:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def shared_prefix_len(self, system: str, questions: list[str]) -> int:
+        ids = [
+            self.tokenizer.encode_chat(
+                [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            )
+            for q in questions
+        ]
+        n = 0
+        while all(len(x) > n and x[n] == ids[0][n] for x in ids):
+            n += 1
+        return n
+
+
+def test_kv_transfer_metrics_are_exported(pd_server):
+    pd = client(pd_server, "/pd")
+    pd.completions.create(model=MODEL, prompt="The sea is", max_tokens=4, temperature=0)
+    text = httpx.get(f"{pd_server}/pd/metrics", timeout=30).text
+    assert metric(text, "neuron:kv_transfer_seconds_count") > 0
+    assert metric(text, "neuron:kv_transfer_bytes_total") > 0
+    assert metric(text, "neuron:kv_exports_total") >= metric(text, "neuron:kv_imports_total") > 0
+    assert re.search(r'neuron:kv_transfer_bytes_total\{[^}]*transport="object_store"', text)
+    wait_idle("pd", 2)
+
+
+# -- failures -----------------------------------------------------------------------------
+
+
+def _open_stream(url: str, body: dict, num_events: int):
+    """Starts an SSE stream and returns (response context, line iterator) after a few events."""
+    ctx = httpx.stream("POST", url, json=body, timeout=120)
+    response = ctx.__enter__()
+    lines = response.iter_lines()
+    got = 0
+    while got < num_events:
+        if next(lines).startswith("data: "):
+            got += 1
+    return ctx, lines
+
+
+def test_client_disconnect_mid_decode_frees_every_replica(pd_server):
+    url = f"{pd_server}/pd/v1/completions"
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story.",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    ctx, _ = _open_stream(url, body, 4)
+    decode = replica_stats("DecodeServer", "pd", 1)
+    assert next(iter(decode.values()))["num_running"] == 1
+    ctx.__exit__(None, None, None)
+    wait_idle("pd", 2)
+
+
+def test_client_disconnect_while_prefilling_frees_every_replica(pd_server):
+    url = f"{pd_server}/pd/v1/completions"
+    prompt = [5 + (i % 100) for i in range(900)]  # ~1 s of prefill
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 50, "stream": True}
+    # The ingress answers once the first token exists: the client leaves during the prefill.
+    with (
+        pytest.raises(httpx.ReadTimeout),
+        httpx.stream("POST", url, json=body, timeout=0.3) as response,
+    ):
+        for _ in response.iter_lines():
+            pass
+    wait_idle("pd", 2)
+
+
+@pytest.fixture(scope="module")
+def fault_server(serve_cluster, tiny_llama_path, tmp_path_factory):
+    from app.builder import BuildArgs, build_openai_app
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    marker = tmp_path_factory.mktemp("faults") / "die-once"
+    small = {"ray_actor_options": {"num_cpus": 0.05}}
+    env = {
+        "ray_actor_options": {
+            "num_cpus": 0.05,
+            "runtime_env": {"env_vars": {DIE_MARKER_ENV: str(marker)}},
+        }
+    }
+    app = build_openai_app(
+        BuildArgs(
+            mode="disaggregated",
+            model=str(tiny_llama_path),
+            served_model_name="tiny",
+            max_model_len=MAX_MODEL_LEN,
+            embedding_model=None,
+            engine_args={"num_kv_blocks": 256},
+        ),
+        llm_engine_cls=DieOnceEngine,
+        prefill_options={"num_replicas": 2, **env},
+        decode_options={**small, "health_check_period_s": 1, "health_check_timeout_s": 5},
+        ingress_options=small,
+    )
+    serve.run(app, name="pdfault", route_prefix="/pdfault")
+    try:
+        yield serve_cluster, marker
+    finally:
+        serve.delete("pdfault")
+
+
+@pytest.fixture(scope="module")
+def tiny_offline(tiny_llama_path) -> LLM:
+    return LLM(model=str(tiny_llama_path), max_model_len=MAX_MODEL_LEN, num_kv_blocks=256)
+
+
+def test_prefill_replica_dying_mid_call_is_retried_on_another(fault_server, tiny_offline):
+    base, marker = fault_server
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0}
+    url = f"{base}/pdfault/v1/completions"
+    assert httpx.post(url, json=body, timeout=60).status_code == 200
+    marker.write_text("die")
+    response = httpx.post(url, json=body, timeout=120)
+    assert not marker.exists(), "no prefill replica took the marked request"
+    assert response.status_code == 200, response.text
+    expected = tiny_offline.generate(
+        {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=12)
+    )[0].outputs[0]
+    assert response.json()["choices"][0]["text"] == expected.text
+    # Serve replaces the dead replica; the app serves again on two prefill replicas.
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            replica_stats("PrefillServer", "pdfault", 2)
+            break
+        except Exception:  # noqa: BLE001 - the replacement is still starting
+            assert time.monotonic() < deadline, "the dead prefill replica was not replaced"
+            time.sleep(1)
+    wait_idle("pdfault", 2)
+
+
+def test_decode_replica_killed_mid_stream_ends_with_error_and_done(fault_server):
+    base, _ = fault_server
+    url = f"{base}/pdfault/v1/completions"
+    body = {
+        "model": "tiny",
+        "prompt": [5, 6],
+        "max_tokens": 800,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    ctx, lines = _open_stream(url, body, 3)
+    try:
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        (replica_id,) = replica_stats("DecodeServer", "pdfault", 1)
+        name = ReplicaID(replica_id, DeploymentID("DecodeServer", "pdfault")).to_full_id_str()
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        events = [line for line in lines if line.startswith("data: ")]
+    finally:
+        ctx.__exit__(None, None, None)
+    assert events[-1] == "data: [DONE]"
+    assert "error" in json.loads(events[-2][6:]), events[-2]
+    deadline = time.monotonic() + 120
+    short = {"model": "tiny", "prompt": [5, 6], "max_tokens": 3}
+    while True:
+        response = httpx.post(f"{base}/pdfault/v1/completions", json=short, timeout=60)
+        if response.status_code == 200:
+            break
+        assert time.monotonic() < deadline, f"decode not restarted: {response.text}"
+        time.sleep(1)
+    assert response.json()["usage"]["completion_tokens"] == 3
+    wait_idle("pdfault", 2)
+
+
+# -- the KV fetch policy, on a DecodeServer outside Serve ------------------------------------
+
+
+@ray.remote
+def _lost_kv() -> None:
+    raise RuntimeError("the prefill replica is gone")
+
+
+@ray.remote
+def _late_kv(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _decode_server(model_path: Path, policy: str, timeout_s: float):
+    from deployments.decode import DecodeServer
+
+    return DecodeServer.func_or_class(
+        {"model": str(model_path), "max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 64},
+        kv_fetch_timeout_s=timeout_s,
+        on_kv_failure=policy,
+    )
+
+
+async def _decode_all(server, request) -> tuple[list[int], list]:
+    tokens, transfers = [], []
+    async for step in server.generate(request):
+        transfers.append(step.kv_transfer)
+        tokens.extend(t for s in step.seqs for t in s.token_ids)
+    return tokens, transfers
+
+
+def test_kv_fetch_failure_recomputes_or_fails_by_policy(
+    serve_cluster, tiny_llama_path, tiny_offline
+):
+    from deployments.decode import KVFetchError
+    from deployments.protocol import DecodeRequest
+
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    expected = tiny_offline.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    sampling = {"temperature": 0.0, "max_tokens": 10, "detokenize": False}
+
+    def request(ref) -> DecodeRequest:  # noqa: ANN001
+        return DecodeRequest("r", prompt, sampling, expected[:1], kv_ref=ref, num_kv_bytes=1)
+
+    recompute = _decode_server(tiny_llama_path, "recompute", timeout_s=0.5)
+    for ref in (_lost_kv.remote(), _late_kv.remote(30)):
+        tokens, transfers = asyncio.run(_decode_all(recompute, request(ref)))
+        assert tokens == expected[1:]  # the prompt was recomputed on the decode side
+        assert transfers[0].failed and transfers[0].num_bytes == 0
+    fail = _decode_server(tiny_llama_path, "fail", timeout_s=0.5)
+    with pytest.raises(KVFetchError):
+        asyncio.run(_decode_all(fail, request(_late_kv.remote(30))))
+    for server in (recompute, fail):
+        stats = server.engine.stats()
+        assert stats.num_running == stats.num_kv_blocks_used == stats.num_unfinished_outputs == 0
+        server.engine.shutdown()
