@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 
-.PHONY: install model test test-fast lint bench serve bench-serve clean
+.PHONY: install model test test-fast lint bench serve serve-colocated bench-serve bench-pd clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ bench: model
 # the HTTP proxy to 127.0.0.1:8000.
 serve: model
 	$(VENV)/bin/serve run serve_config.yaml
+
+# The colocated baseline: one LLMServer deployment instead of router, prefill and decode.
+serve-colocated: model
+	$(VENV)/bin/serve run configs/serve/colocated.yaml
 
 # Load against a running `make serve` (127.0.0.1:8000) and the engine in-process, side by side.
 bench-serve: model
