@@ -36,6 +36,8 @@ class DisaggregationArgs(BaseModel):
     on_kv_failure: Literal["recompute", "fail"] = "recompute"
     # A prefill replica lost mid-call: retry on another this many times.
     prefill_retries: int = Field(1, ge=0)
+    # How a prefill replica is picked: "prefix_affinity" (below) or Serve's "power_of_two".
+    prefill_routing: Literal["prefix_affinity", "power_of_two"] = "prefix_affinity"
     # Prefix affinity: prefer the replica holding this share of the prompt's blocks, unless
     # its queue is longer than the shortest by more than max_imbalance.
     min_match_share: float = Field(0.5, gt=0, le=1)
@@ -127,15 +129,19 @@ def _disaggregated(
     """PDRouter -> PrefillServer (prefix-affinity routed) and DecodeServer (KV-capacity routed)."""
     engine_args = args.full_engine_args()
     pd = args.disaggregation
-    prefill = PrefillServer.options(
-        request_router_config=RequestRouterConfig(
+    if pd.prefill_routing == "prefix_affinity":
+        prefill_router = RequestRouterConfig(
             request_router_class="router.request_routers:PrefixAffinityRouter",
             request_router_kwargs={
                 "min_match_share": pd.min_match_share,
                 "max_imbalance": pd.max_imbalance,
             },
             request_routing_stats_period_s=pd.routing_stats_period_s,
-        ),
+        )
+    else:
+        prefill_router = RequestRouterConfig()
+    prefill = PrefillServer.options(
+        request_router_config=prefill_router,
         **(prefill_options or {}),
     ).bind(engine_args, engine_cls, args.health_stall_timeout_s)
     decode = DecodeServer.options(

@@ -133,6 +133,6 @@ class Generation:
                 self.timer.metrics.kv_transfer_failures.inc()
             elif transfer.transport != "recompute":
                 self.timer.metrics.observe_kv_transfer(
-                    transfer.transport, transfer.num_bytes, transfer.seconds
+                    transfer.transport, transfer.stage, transfer.num_bytes, transfer.seconds
                 )
         self.timer.metrics.update_engine_stats(step.stats)

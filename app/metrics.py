@@ -122,8 +122,8 @@ class ServingMetrics:
         ).labels(model_name)
         self.kv_transfer_seconds = Histogram(
             "neuron:kv_transfer_seconds",
-            "Time a decode replica waited for a prefilled request's KV",
-            [*labels, "transport"],
+            "KV handoff time: export (prefill side, part of TTFT) and import (decode side)",
+            [*labels, "transport", "stage"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -152,9 +152,12 @@ class ServingMetrics:
         for snapshot in stats if isinstance(stats, list) else [stats] if stats else []:
             self.engine.update(snapshot)
 
-    def observe_kv_transfer(self, transport: str, num_bytes: int, seconds: float) -> None:
-        self.kv_transfer_seconds.labels(self.model_name, transport).observe(seconds)
-        self.kv_transfer_bytes.labels(self.model_name, transport).inc(num_bytes)
+    def observe_kv_transfer(
+        self, transport: str, stage: str, num_bytes: int, seconds: float
+    ) -> None:
+        self.kv_transfer_seconds.labels(self.model_name, transport, stage).observe(seconds)
+        if stage == "import":
+            self.kv_transfer_bytes.labels(self.model_name, transport).inc(num_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

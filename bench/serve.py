@@ -1,4 +1,4 @@
-"""Serving benchmark: load over HTTP through Ray Serve vs the same engine called in-process.
+"""Serving benchmark: the colocated and disaggregated apps and the engine in-process, side by side.
 
 Metrics as vLLM's ``bench serve`` defines them, per request:
   TTFT  time to first token (first streamed chunk with text)
@@ -9,11 +9,17 @@ plus request and output-token throughput and goodput (requests/s meeting every S
 
 Arrivals are Poisson at ``--request-rate`` (requests/s) or, with rate inf, as fast as
 ``--concurrency`` allows. Prompts are random token ids of ``--input-len``, greedy, ignore_eos,
-``--output-len`` tokens, so both paths do identical work. The "direct" run drives an
-in-process AsyncEngine with the same prompts and schedule; the difference between the two is
-the cost of the Serve path (proxy -> ingress -> LLM replica and back, SSE, detokenization).
+``--output-len`` tokens, so every path does identical work.
 
-    python bench/serve.py --start-server --num-requests 16 --concurrency 4
+With ``--start-server`` one local cluster runs both applications, ``colocated`` (one
+LLMServer) and ``disaggregated`` (PDRouter -> PrefillServer -> DecodeServer), and each round
+loads them in turn (A B A B ...), so background load hits both alike. For the disaggregated
+app the KV handoff is read from its /metrics: the export (prefill side, inside TTFT) and the
+import (decode side, before the second token). The "direct" run drives an in-process
+AsyncEngine with the same prompts and schedule; its difference to the colocated app is the
+cost of the Serve path (proxy -> ingress -> LLM replica and back, SSE, detokenization).
+
+    python bench/serve.py --start-server --num-requests 16 --concurrency 4 --rounds 2
     python bench/serve.py --base-url http://127.0.0.1:8000 ...   # against `make serve`
 
 Only 127.0.0.1 / localhost targets are accepted.
@@ -177,8 +183,8 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
     }
 
 
-def start_server(args: argparse.Namespace) -> str:
-    """A local cluster bound to 127.0.0.1 running the app without embeddings."""
+def start_server(args: argparse.Namespace) -> dict[str, str]:
+    """A local cluster bound to 127.0.0.1 running each config without embeddings; name -> URL."""
     import socket
 
     import ray
@@ -192,18 +198,50 @@ def start_server(args: argparse.Namespace) -> str:
     ray.init(
         address="local",
         include_dashboard=False,
-        num_cpus=2,
+        num_cpus=4,
         _node_ip_address="127.0.0.1",
         log_to_driver=False,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_openai_app(
-        BuildArgs(max_model_len=args.max_model_len, embedding_model=None),
-        llm_options={"ray_actor_options": {"num_cpus": 1.0}},
-        ingress_options={"ray_actor_options": {"num_cpus": 0.25}},
-    )
-    serve.run(app, name="bench", route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    small = {"ray_actor_options": {"num_cpus": 0.1}}
+    urls = {}
+    for name in args.configs.split(","):
+        build = BuildArgs(mode=name, max_model_len=args.max_model_len, embedding_model=None)
+        app = build_openai_app(
+            build,
+            llm_options=small,
+            prefill_options=small,
+            decode_options=small,
+            ingress_options=small,
+        )
+        serve.run(app, name=name, route_prefix=f"/{name}")
+        urls[name] = f"http://127.0.0.1:{port}/{name}"
+    return urls
+
+
+def handoff_figures(before: str, after: str, ttft: dict) -> dict:
+    """Mean KV export/import seconds between two /metrics scrapes, and export's TTFT share."""
+
+    def total(text: str, name: str, stage: str) -> float:
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") and f'stage="{stage}"' in line
+        )
+
+    out: dict[str, float | None] = {}
+    for stage in ("export", "import"):
+        count = total(after, "neuron:kv_transfer_seconds_count", stage) - total(
+            before, "neuron:kv_transfer_seconds_count", stage
+        )
+        seconds = total(after, "neuron:kv_transfer_seconds_sum", stage) - total(
+            before, "neuron:kv_transfer_seconds_sum", stage
+        )
+        out[f"{stage}_mean_ms"] = seconds / count * 1e3 if count else None
+    export = out["export_mean_ms"]
+    mean_ttft = ttft.get("mean_ms")
+    out["export_share_of_ttft"] = export / mean_ttft if export and mean_ttft else None
+    return out
 
 
 def print_table(rows: dict[str, dict]) -> None:
@@ -243,6 +281,8 @@ def main() -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
     parser.add_argument("--no-direct", action="store_true", help="skip the in-process engine")
+    parser.add_argument("--configs", default="colocated,disaggregated", help="with --start-server")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the configs")
     parser.add_argument("--json", default="bench/results/serve.json")
     args = parser.parse_args()
 
@@ -257,17 +297,21 @@ def main() -> None:
     slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
     rows: dict[str, dict] = {}
 
-    base_url = args.base_url
     started = False
     try:
         if args.start_server:
-            base_url = start_server(args)
+            urls = start_server(args)
             started = True
-        host = urlparse(base_url).hostname
-        if host not in ("127.0.0.1", "localhost"):
-            sys.exit(f"refusing to load {host}: only 127.0.0.1 is allowed")
-        rows["serve"] = asyncio.run(
-            asyncio.wait_for(serve_phase(base_url, args, prompts, slo), args.max_duration_s)
+        else:
+            urls = {"serve": args.base_url.rstrip("/")}
+        for url in urls.values():
+            host = urlparse(url).hostname
+            if host not in ("127.0.0.1", "localhost"):
+                sys.exit(f"refusing to load {host}: only 127.0.0.1 is allowed")
+        rows.update(
+            asyncio.run(
+                asyncio.wait_for(serve_rounds(urls, args, prompts, slo), args.max_duration_s)
+            )
         )
     finally:
         if started:
@@ -280,18 +324,24 @@ def main() -> None:
         rows["direct"] = asyncio.run(
             asyncio.wait_for(direct_phase(args, prompts, slo), args.max_duration_s)
         )
-    print_table(rows)
-    if "direct" in rows:
-        overhead = {
-            f"{m}_p50_delta_ms": rows["serve"][m][p] - rows["direct"][m][p]
+    print_table({k: v for k, v in rows.items() if "completed" in v})
+    served = [k for k in rows if k != "direct"]
+    pairs = [(a, "direct") for a in served if "direct" in rows]
+    if "colocated" in rows and "disaggregated" in rows:
+        pairs.append(("disaggregated", "colocated"))
+    for a, b in pairs:
+        delta = {
+            f"{m}_p50_delta_ms": rows[a][m]["p50_ms"] - rows[b][m]["p50_ms"]
             for m in ("ttft", "tpot", "itl", "e2el")
-            for p in ("p50_ms",)
-            if rows["serve"][m][p] is not None and rows["direct"][m][p] is not None
+            if rows[a][m]["p50_ms"] is not None and rows[b][m]["p50_ms"] is not None
         }
-        rows["serve_minus_direct"] = overhead
+        rows[f"{a}_minus_{b}"] = delta
+        print(f"{a} minus {b} (p50):", ", ".join(f"{k}={v:.2f}" for k, v in delta.items()))
+    if "handoff" in rows.get("disaggregated", {}):
+        h = rows["disaggregated"]["handoff"]
         print(
-            "Serve path minus direct engine (p50):",
-            ", ".join(f"{k}={v:.2f}" for k, v in overhead.items()),
+            "KV handoff (disaggregated):",
+            ", ".join(f"{k}={v:.3f}" for k, v in h.items() if v is not None),
         )
     report = {
         "config": {k: (str(v) if v == float("inf") else v) for k, v in vars(args).items()},
@@ -307,20 +357,38 @@ def main() -> None:
     print(f"wrote {args.json}")
 
 
-async def serve_phase(base_url: str, args: argparse.Namespace, prompts, slo) -> dict:  # noqa: ANN001
+async def serve_rounds(urls: dict[str, str], args: argparse.Namespace, prompts, slo) -> dict:  # noqa: ANN001
+    """Loads each app in turn for ``args.rounds`` rounds; one summary per app."""
     import httpx
 
-    url = f"{base_url}/v1/completions"
+    results: dict[str, list[RequestResult]] = {name: [] for name in urls}
+    durations = dict.fromkeys(urls, 0.0)
+    scrapes: dict[str, list[str]] = {name: [] for name in urls}
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
-        await http_request(client, url, args.model, prompts[0], 2)  # warm-up
-        results, duration = await run_load(
-            lambda p: http_request(client, url, args.model, p, args.output_len),
-            prompts,
-            args.request_rate,
-            args.concurrency,
-            args.seed,
-        )
-    return summarize(results, duration, slo)
+        for url in urls.values():
+            await http_request(client, f"{url}/v1/completions", args.model, prompts[0], 2)
+        for name, url in urls.items():
+            scrapes[name].append((await client.get(f"{url}/metrics")).text)
+        for _ in range(args.rounds):
+            for name, url in urls.items():
+                got, duration = await run_load(
+                    lambda p, u=url: http_request(
+                        client, f"{u}/v1/completions", args.model, p, args.output_len
+                    ),
+                    prompts,
+                    args.request_rate,
+                    args.concurrency,
+                    args.seed,
+                )
+                results[name].extend(got)
+                durations[name] += duration
+        for name, url in urls.items():
+            scrapes[name].append((await client.get(f"{url}/metrics")).text)
+    rows = {name: summarize(results[name], durations[name], slo) for name in urls}
+    for name, (before, after) in scrapes.items():
+        if "neuron:kv_transfer_seconds_count" in after:
+            rows[name]["handoff"] = handoff_figures(before, after, rows[name]["ttft"])
+    return rows
 
 
 async def direct_phase(args: argparse.Namespace, prompts, slo) -> dict:  # noqa: ANN001

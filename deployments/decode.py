@@ -67,7 +67,7 @@ class DecodeServer(EngineReplica):
 
     async def _fetch(self, request: DecodeRequest) -> tuple[KVPayload | None, KVTransferInfo]:
         if request.kv_ref is None:
-            return None, KVTransferInfo("recompute", 0, 0.0)
+            return None, KVTransferInfo("recompute", "import", 0, 0.0)
         start = time.perf_counter()
         try:
             payload = await asyncio.wait_for(request.kv_ref, self.kv_fetch_timeout_s)
@@ -76,6 +76,6 @@ class DecodeServer(EngineReplica):
             if self.on_kv_failure == "fail":
                 raise KVFetchError(f"the prompt's KV could not be fetched: {exc!r}") from exc
             logger.warning("KV fetch for %s failed (%r): recomputing", request.request_id, exc)
-            return None, KVTransferInfo("object_store", 0, seconds, failed=True)
+            return None, KVTransferInfo("object_store", "import", 0, seconds, failed=True)
         seconds = time.perf_counter() - start
-        return payload, KVTransferInfo("object_store", request.num_kv_bytes, seconds)
+        return payload, KVTransferInfo("object_store", "import", request.num_kv_bytes, seconds)

@@ -9,11 +9,13 @@ lost and the decode side falls back to its policy (recompute or fail).
 
 from __future__ import annotations
 
+import time
+
 import ray
 from ray import serve
 
 from deployments.engine_replica import EngineReplica, to_step_output
-from deployments.protocol import GenerateRequest, PrefillResult
+from deployments.protocol import GenerateRequest, KVTransferInfo, PrefillResult
 from neuron_runtime import RequestOutputKind, SamplingParams
 
 
@@ -44,10 +46,16 @@ class PrefillServer(EngineReplica):
         step.finished = False
         for seq in step.seqs:
             seq.finish_reason = None
+        start = time.perf_counter()
+        kv_ref = ray.put(handoff.payload)
+        nbytes = handoff.payload.nbytes
+        step.kv_transfer = KVTransferInfo(
+            "object_store", "export", nbytes, time.perf_counter() - start
+        )
         return PrefillResult(
             step,
-            kv_ref=ray.put(handoff.payload),
-            num_kv_bytes=handoff.payload.nbytes,
+            kv_ref=kv_ref,
+            num_kv_bytes=nbytes,
             generator_state=handoff.generator_state(0),
             replica_id=self.replica_id,
         )

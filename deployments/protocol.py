@@ -46,15 +46,17 @@ class StepOutput:
     queue_time_s: float | None = None
     # The serving replica's load after this step, on the last output only.
     stats: dict[str, Any] | None = field(default=None)
-    # Disaggregated serving, on the first decode output: how the prompt's KV arrived.
+    # Disaggregated serving: on the prefill output, how long handing the KV over took; on
+    # the first decode output, how the KV arrived.
     kv_transfer: KVTransferInfo | None = None
 
 
 @dataclass
 class KVTransferInfo:
     transport: str  # "object_store" | "recompute"
+    stage: str  # "export" (prefill side, before the first token returns) | "import"
     num_bytes: int
-    seconds: float  # from the decode replica asking for the KV to holding it
+    seconds: float  # export: putting the KV in the store; import: asking for it to holding it
     failed: bool = False  # the fetch failed or timed out (then the prompt was recomputed)
 
 
