@@ -113,9 +113,9 @@ class LLMEngine:
         prefilled = None
         if handoff is not None:
             prefilled = self._continue_from(requests[0], handoff)
-        for request in requests:
+        for index, request in enumerate(requests):
             request.export_kv = export_kv
-            self.scheduler.add_request(request)
+            self.scheduler.add_request(request, fork_of=child_ids[0] if index else None)
         self.output_processor.add(
             request_id, text, prompt_ids, params, child_ids, kind, prefilled=prefilled
         )
@@ -192,7 +192,7 @@ class LLMEngine:
         pool = self.kv.pool
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=self.scheduler.num_waiting,
             num_kv_blocks_total=pool.num_blocks,
             num_kv_blocks_used=pool.num_used_blocks,
             num_kv_blocks_free=pool.num_free_blocks,

@@ -64,16 +64,33 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # leader req_id -> forks of its prompt waiting for the leader's prompt KV
+        self.held_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, fork_of: str | None = None) -> None:
+        """Queues a request. A fork (``fork_of``: another sample of the same prompt) waits
+        until that request's prompt is computed, then shares its full prompt blocks through
+        the prefix cache; only the partial last block is computed again for each fork."""
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         self.requests[request.req_id] = request
-        self.waiting.append(request)
+        shareable = self.kv.enable_prefix_caching and request.params.prompt_logprobs is None
+        if fork_of is not None and shareable and fork_of in self.requests:
+            self.held_forks.setdefault(fork_of, []).append(request)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held_forks)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(forks) for forks in self.held_forks.values())
+
+    def _release_forks(self, leader_id: str) -> None:
+        # Ahead of later arrivals: the forks arrived with their leader.
+        self.waiting.extendleft(reversed(self.held_forks.pop(leader_id, [])))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -185,6 +202,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens += len(seq.token_ids)
             self.kv.cache_full_blocks(request)
+            if request.req_id in self.held_forks and seq.sample:
+                self._release_forks(request.req_id)
             token = sampled.get(seq.req_id)
             if token is None:
                 continue
@@ -201,8 +220,13 @@ class Scheduler:
             return None
         if request in self.running:
             self.running.remove(request)
-        else:
+        elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            for forks in self.held_forks.values():
+                if request in forks:
+                    forks.remove(request)
+        self._release_forks(req_id)
         request.status = status
         self.kv.free(request)
         return request
