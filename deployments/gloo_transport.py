@@ -1,0 +1,250 @@
+"""The gloo KV transport: torch.distributed point-to-point between a prefill and a decode replica.
+
+Gloo is the CPU stand-in for Neuron collectives: the same ``send``/``recv`` on a process group,
+so the serving path keeps its shape when the backend changes. No default process group
+(``init_process_group`` allows one per process, and a replica talks to many peers): each
+transfer gets its own two-rank ProcessGroupGloo, rendezvoused through a PrefixStore on the
+prefill replica's TCPStore.
+
+    prefill replica                                    decode replica
+    export: outbox[transfer_id] = payload
+            ticket(127.0.0.1, port, transfer_id, metadata) --- router --->
+    dispatcher thread: queue_pop("kv/requests")  <---  TCPStore client: queue_push(request)
+    sender thread: pair group rank 0                   pair group rank 1 (PrefixStore session/)
+            send header [found]  ------------------->  recv header; missing -> raise
+            send kv  ------------------------------->  recv into empty(metadata.shape)
+            delete the session's store keys
+
+A transfer is taken from the outbox when asked for (one fetch per ticket). Entries nobody asks
+for expire, so a request aborted between prefill and decode strands nothing. Every blocking
+step has a deadline: the fetch's own timeout on the decode side, and the timeout the decode
+side sent along with its request on the prefill side. Every socket is on 127.0.0.1: the
+TCPStore listens on a socket bound here, and gloo's device is created for 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import DistError, PrefixStore, TCPStore
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+from deployments.kv_transport import GlooTicket, KVTicket, KVTransport, KVTransportError
+from neuron_runtime.kv_transfer import KVPayload
+
+logger = logging.getLogger("ray.serve")
+
+HOST = "127.0.0.1"
+REQUESTS_KEY = "kv/requests"
+STOP = "stop"
+# The dispatcher's wait for the next request; it wakes early for every request and on close.
+DISPATCH_WAIT = timedelta(hours=1)
+# Decode-side threads doing blocking receives; each ends by its fetch's deadline.
+MAX_CONCURRENT_FETCHES = 8
+
+
+def _pair_group(store: TCPStore, session: str, rank: int, timeout_s: float) -> ProcessGroupGloo:
+    """A two-rank gloo group for one transfer: rank 0 sends, rank 1 receives."""
+    options = ProcessGroupGloo._Options()
+    options._devices = [ProcessGroupGloo.create_device(hostname=HOST)]
+    options._timeout = timedelta(seconds=timeout_s)
+    return ProcessGroupGloo(PrefixStore(f"kv/{session}", store), rank, 2, options)
+
+
+class Outbox:
+    """Exported payloads waiting for their decode replica, oldest first; thread-safe."""
+
+    def __init__(self, timeout_s: float, capacity: int) -> None:
+        self.timeout_s = timeout_s
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[float, KVPayload]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, payload: KVPayload) -> str:
+        transfer_id = uuid.uuid4().hex
+        with self._lock:
+            self._expire()
+            while len(self._entries) >= self.capacity:
+                dropped, _ = self._entries.popitem(last=False)
+                logger.warning("KV outbox full: dropped transfer %s", dropped)
+            self._entries[transfer_id] = (time.monotonic() + self.timeout_s, payload)
+        return transfer_id
+
+    def take(self, transfer_id: str) -> KVPayload | None:
+        """The payload, removed; None when it expired, was dropped or was already taken."""
+        with self._lock:
+            self._expire()
+            entry = self._entries.pop(transfer_id, None)
+        return entry[1] if entry else None
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._expire()
+            return len(self._entries)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        # Insertion order is expiry order: every entry lives timeout_s.
+        while self._entries and next(iter(self._entries.values()))[0] <= now:
+            self._entries.popitem(last=False)
+
+
+class GlooServer:
+    """The prefill replica's side: a TCPStore on 127.0.0.1 and a thread answering requests."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        # Our own listening socket: TCPStore's would listen on every interface. The store
+        # owns the descriptor from here on and closes it when it is destroyed.
+        listener = socket.create_server((HOST, 0), backlog=128)
+        self.port: int = listener.getsockname()[1]
+        self._store: TCPStore | None = TCPStore(
+            HOST,
+            self.port,
+            None,
+            True,
+            timedelta(seconds=30),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+        )
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._dispatch, name="kv-gloo-dispatch", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        assert self._store is not None
+        self._store.queue_push(REQUESTS_KEY, STOP)
+        self._thread.join(timeout=5)
+        self._store = None  # stops the store's server and closes its socket
+
+    def _client(self, timeout: timedelta) -> TCPStore:
+        # One connection per thread: a blocking store call holds its connection.
+        return TCPStore(HOST, self.port, None, False, timeout)
+
+    def _dispatch(self) -> None:
+        store = self._client(DISPATCH_WAIT)
+        while not self._closed.is_set():
+            try:
+                raw = store.queue_pop(REQUESTS_KEY).decode()
+            except DistError:
+                continue  # no request within DISPATCH_WAIT
+            if raw == STOP:
+                return
+            request: dict[str, Any] = json.loads(raw)
+            payload = self.outbox.take(request["transfer_id"])
+            timeout_s = min(float(request["timeout_s"]), self.outbox.timeout_s)
+            threading.Thread(
+                target=self._send,
+                args=(request["session"], payload, timeout_s),
+                name="kv-gloo-send",
+                daemon=True,
+            ).start()
+
+    def _send(self, session: str, payload: KVPayload | None, timeout_s: float) -> None:
+        timeout = timedelta(seconds=timeout_s)
+        store = self._client(timeout)
+        group = None
+        try:
+            group = _pair_group(store, session, 0, timeout_s)
+            header = torch.tensor([payload is not None], dtype=torch.int64)
+            group.send([header], 1, 0).wait(timeout)
+            if payload is not None:
+                group.send([torch.from_numpy(payload.kv)], 1, 1).wait(timeout)
+        except DistError as exc:  # the decode replica left or gave up: it recomputes or fails
+            logger.warning("KV send for session %s failed: %r", session, exc)
+        finally:
+            if group is not None:
+                group.shutdown()
+            prefix = f"kv/{session}/"
+            for key in store.list_keys():
+                if key.startswith(prefix):
+                    store.delete_key(key)
+
+
+def receive(ticket: GlooTicket, deadline: float) -> KVPayload:
+    """Decode side, blocking: asks the ticket's prefill replica for the payload and receives it.
+
+    Raises KVTransportError when the payload is not there, the peer does not answer, or the
+    deadline (time.monotonic()) passes.
+    """
+
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise KVTransportError(f"KV transfer {ticket.transfer_id} timed out")
+        return left
+
+    session = uuid.uuid4().hex
+    try:
+        store = TCPStore(ticket.host, ticket.port, None, False, timedelta(seconds=remaining()))
+        request = {"session": session, "transfer_id": ticket.transfer_id, "timeout_s": remaining()}
+        store.queue_push(REQUESTS_KEY, json.dumps(request))
+        timeout_s = remaining()
+        group = _pair_group(store, session, 1, timeout_s)
+        try:
+            header = torch.zeros(1, dtype=torch.int64)
+            group.recv([header], 0, 0).wait(timedelta(seconds=remaining()))
+            if not header.item():
+                raise KVTransportError(
+                    f"the prefill replica at {ticket.host}:{ticket.port} has no KV transfer "
+                    f"{ticket.transfer_id} (expired, dropped or already taken)"
+                )
+            kv = torch.empty(ticket.metadata.shape, dtype=torch.float32)
+            group.recv([kv], 0, 1).wait(timedelta(seconds=remaining()))
+        finally:
+            group.shutdown()
+    except DistError as exc:
+        raise KVTransportError(f"KV transfer {ticket.transfer_id} failed: {exc}") from exc
+    return KVPayload(ticket.metadata, kv.numpy())
+
+
+class GlooTransport(KVTransport):
+    """Prefill side: an outbox served by a GlooServer (started on the first export).
+    Decode side: receives on a small thread pool so the replica's event loop never blocks."""
+
+    name = "gloo"
+
+    def __init__(self, outbox_timeout_s: float, outbox_capacity: int) -> None:
+        self.outbox = Outbox(outbox_timeout_s, outbox_capacity)
+        self._server: GlooServer | None = None
+        self._server_lock = threading.Lock()
+        self._receivers = ThreadPoolExecutor(MAX_CONCURRENT_FETCHES, "kv-gloo-recv")
+
+    def export(self, payload: KVPayload) -> KVTicket:
+        with self._server_lock:
+            if self._server is None:
+                self._server = GlooServer(self.outbox)
+            port = self._server.port
+        transfer_id = self.outbox.put(payload)
+        return GlooTicket(HOST, port, transfer_id, payload.metadata)
+
+    async def fetch(self, ticket: KVTicket, timeout_s: float) -> KVPayload:
+        if not isinstance(ticket, GlooTicket):
+            raise KVTransportError(f"a gloo replica was given a {ticket.transport} ticket")
+        deadline = time.monotonic() + timeout_s
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._receivers, receive, ticket, deadline)
+        # Cancelling abandons the thread, which ends by the deadline on its own.
+        return await asyncio.wait_for(future, timeout_s)
+
+    def num_outbox(self) -> int:
+        return len(self.outbox)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._receivers.shutdown(wait=False, cancel_futures=True)
