@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from deployments.protocol import SeqDelta, StepOutput
 from neuron_runtime import AsyncEngine, EngineArgs
@@ -33,7 +34,7 @@ class EngineReplica:
         self.stall_timeout_s = stall_timeout_s
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except RuntimeError:  # constructed outside a replica (unit tests, benchmarks)
+        except (RuntimeError, RayServeException):  # outside a replica (unit tests, benchmarks)
             self.replica_id = "local"
 
     def stats(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from deployments.protocol import (
@@ -59,7 +60,7 @@ class PDRouter:
         self.num_kv_refs_held = 0
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except RuntimeError:  # constructed outside a replica (unit tests)
+        except (RuntimeError, RayServeException):  # constructed outside a replica (unit tests)
             self.replica_id = "local"
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
