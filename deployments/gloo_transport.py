@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed import DistError, PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import ProcessGroupGloo
@@ -163,16 +164,23 @@ class GlooServer:
             header = torch.tensor([payload is not None], dtype=torch.int64)
             group.send([header], 1, 0).wait(timeout)
             if payload is not None:
-                group.send([torch.from_numpy(payload.kv)], 1, 1).wait(timeout)
-        except DistError as exc:  # the decode replica left or gave up: it recomputes or fails
+                kv = torch.from_numpy(np.ascontiguousarray(payload.kv))
+                group.send([kv], 1, 1).wait(timeout)
+        except RuntimeError as exc:  # the decode replica left or gave up: it recomputes or fails
             logger.warning("KV send for session %s failed: %r", session, exc)
         finally:
             if group is not None:
                 group.shutdown()
-            prefix = f"kv/{session}/"
+            self._delete_keys(store, f"kv/{session}/")
+
+    @staticmethod
+    def _delete_keys(store: TCPStore, prefix: str) -> None:
+        try:
             for key in store.list_keys():
                 if key.startswith(prefix):
                     store.delete_key(key)
+        except DistError:  # the store closed with its replica: the keys went with it
+            pass
 
 
 def receive(ticket: GlooTicket, deadline: float) -> KVPayload:
@@ -207,7 +215,9 @@ def receive(ticket: GlooTicket, deadline: float) -> KVPayload:
             group.recv([kv], 0, 1).wait(timedelta(seconds=remaining()))
         finally:
             group.shutdown()
-    except DistError as exc:
+    except KVTransportError:
+        raise
+    except RuntimeError as exc:  # DistError and gloo's own timeouts and connection errors
         raise KVTransportError(f"KV transfer {ticket.transfer_id} failed: {exc}") from exc
     return KVPayload(ticket.metadata, kv.numpy())
 

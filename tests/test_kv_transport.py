@@ -24,14 +24,14 @@ from deployments.kv_transport import (
 from neuron_runtime.kv_transfer import KVMetadata, KVPayload
 
 
-def payload(num_tokens: int = 40, seed: int = 0) -> KVPayload:
+def payload(num_tokens: int = 40, seed: int = 0, layers: int = 3, heads: int = 2, dim: int = 8):
     metadata = KVMetadata(
         model_id="m",
         config_hash="h",
         dtype="float32",
-        num_layers=3,
-        num_kv_heads=2,
-        head_dim=8,
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=dim,
         num_tokens=num_tokens,
         block_hashes=(),
     )
@@ -70,6 +70,13 @@ def test_concurrent_fetches_return_the_exported_arrays(pair):
     while store.list_keys() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert store.list_keys() == []
+
+
+def test_a_large_payload_arrives_whole(pair):
+    prefill, decode = pair
+    sent = payload(num_tokens=1024, layers=30, heads=3, dim=64)  # SmolLM2's KV shape: 47 MB
+    got = asyncio.run(decode.fetch(prefill.export(sent), 30.0))
+    np.testing.assert_array_equal(got.kv, sent.kv)
 
 
 def test_a_ticket_is_redeemed_once_and_a_missing_transfer_raises_at_once(pair):
