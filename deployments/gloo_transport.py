@@ -55,7 +55,7 @@ DISPATCH_WAIT = timedelta(hours=1)
 MAX_CONCURRENT_FETCHES = 8
 
 
-def _pair_group(store: TCPStore, session: str, rank: int, timeout_s: float) -> ProcessGroupGloo:
+def pair_group(store: TCPStore, session: str, rank: int, timeout_s: float) -> ProcessGroupGloo:
     """A two-rank gloo group for one transfer: rank 0 sends, rank 1 receives."""
     options = ProcessGroupGloo._Options()
     options._devices = [ProcessGroupGloo.create_device(hostname=HOST)]
@@ -160,7 +160,7 @@ class GlooServer:
         store = self._client(timeout)
         group = None
         try:
-            group = _pair_group(store, session, 0, timeout_s)
+            group = pair_group(store, session, 0, timeout_s)
             header = torch.tensor([payload is not None], dtype=torch.int64)
             group.send([header], 1, 0).wait(timeout)
             if payload is not None:
@@ -202,7 +202,7 @@ def receive(ticket: GlooTicket, deadline: float) -> KVPayload:
         request = {"session": session, "transfer_id": ticket.transfer_id, "timeout_s": remaining()}
         store.queue_push(REQUESTS_KEY, json.dumps(request))
         timeout_s = remaining()
-        group = _pair_group(store, session, 1, timeout_s)
+        group = pair_group(store, session, 1, timeout_s)
         try:
             header = torch.zeros(1, dtype=torch.int64)
             group.recv([header], 0, 0).wait(timedelta(seconds=remaining()))

@@ -4,9 +4,11 @@ process, talking over 127.0.0.1 as two replicas would."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
+import threading
 import time
 from datetime import timedelta
 
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 from torch.distributed import TCPStore
 
-from deployments.gloo_transport import GlooTransport, Outbox
+from deployments.gloo_transport import GlooTransport, Outbox, pair_group
 from deployments.kv_transport import (
     GlooTicket,
     KVTransportConfig,
@@ -116,17 +118,31 @@ def test_outbox_expires_and_drops_the_oldest_when_full():
 
 
 def test_listeners_are_on_loopback_only(pair):
+    """The store's listener, and gloo's while a pair group waits for its peer."""
     prefill, decode = pair
     ticket = prefill.export(payload())
     asyncio.run(decode.fetch(ticket, 10.0))
-    ss = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=False)
+    store = TCPStore("127.0.0.1", ticket.port, None, False, timedelta(seconds=5))
+    waiting = threading.Thread(target=_pair_group_alone, args=(store,))
+    waiting.start()
+    time.sleep(0.5)
+    try:
+        ss = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=False)
+    finally:
+        waiting.join()
     if ss.returncode != 0:
         pytest.skip("ss is not available")
     ours = [line for line in ss.stdout.splitlines() if f"pid={os.getpid()}," in line]
-    assert ours, ss.stdout
+    assert len(ours) >= 2, ss.stdout
     for line in ours:
         local = line.split()[3]
         assert local.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")), line
+
+
+def _pair_group_alone(store: TCPStore) -> None:
+    # Holds gloo's listener open until the rendezvous times out: no rank 1 ever comes.
+    with contextlib.suppress(RuntimeError):
+        pair_group(store, "alone", 0, timeout_s=1.5)
 
 
 def test_config_names_the_transport():
