@@ -25,6 +25,7 @@ TCPStore listens on a socket bound here, and gloo's device is created for 127.0.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import socket
@@ -55,10 +56,17 @@ DISPATCH_WAIT = timedelta(hours=1)
 MAX_CONCURRENT_FETCHES = 8
 
 
+@functools.cache
+def _loopback_device() -> Any:
+    # One gloo device (listener + event loop thread) per process, shared by every pair group:
+    # creating it per transfer took ~8 of a group's ~18 ms setup here.
+    return ProcessGroupGloo.create_device(hostname=HOST)
+
+
 def pair_group(store: TCPStore, session: str, rank: int, timeout_s: float) -> ProcessGroupGloo:
     """A two-rank gloo group for one transfer: rank 0 sends, rank 1 receives."""
     options = ProcessGroupGloo._Options()
-    options._devices = [ProcessGroupGloo.create_device(hostname=HOST)]
+    options._devices = [_loopback_device()]
     options._timeout = timedelta(seconds=timeout_s)
     return ProcessGroupGloo(PrefixStore(f"kv/{session}", store), rank, 2, options)
 
@@ -141,16 +149,24 @@ class GlooServer:
         while not self._closed.is_set():
             try:
                 raw = store.queue_pop(REQUESTS_KEY).decode()
-            except DistError:
-                continue  # no request within DISPATCH_WAIT
+            except DistError as exc:
+                # No request within DISPATCH_WAIT, or the connection broke: never spin.
+                logger.debug("KV dispatcher: %r", exc)
+                time.sleep(0.1)
+                continue
             if raw == STOP:
                 return
-            request: dict[str, Any] = json.loads(raw)
-            payload = self.outbox.take(request["transfer_id"])
-            timeout_s = min(float(request["timeout_s"]), self.outbox.timeout_s)
+            try:
+                request: dict[str, Any] = json.loads(raw)
+                session, transfer_id = str(request["session"]), str(request["transfer_id"])
+                timeout_s = min(float(request["timeout_s"]), self.outbox.timeout_s)
+            except (ValueError, KeyError, TypeError) as exc:
+                logger.warning("KV dispatcher: malformed request %.200r: %r", raw, exc)
+                continue
+            payload = self.outbox.take(transfer_id)
             threading.Thread(
                 target=self._send,
-                args=(request["session"], payload, timeout_s),
+                args=(session, payload, timeout_s),
                 name="kv-gloo-send",
                 daemon=True,
             ).start()
