@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# Ray reads this when it is imported (test modules import it at collection): it makes every
+# Ray listener bind to 127.0.0.1.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(int(os.environ.get("NEURON_SERVE_TEST_THREADS", "2")))
@@ -98,7 +101,6 @@ def serve_cluster():
     Everything listens on 127.0.0.1. Logical CPUs are more than the machine's two so that
     several small test applications fit; their replicas mostly wait.
     """
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray starts
     ray = pytest.importorskip("ray")
     from ray import serve
 
