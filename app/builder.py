@@ -34,10 +34,10 @@ class DisaggregationArgs(BaseModel):
     # How the KV moves from prefill to decode replicas: "object_store" (ray.put, the decode
     # replica reads the ref) or "gloo" (torch.distributed point-to-point over 127.0.0.1, the
     # CPU stand-in for Neuron collectives; the prefill replica keeps the KV in an outbox until
-    # a decode replica asks, at most kv_outbox_capacity entries for kv_outbox_timeout_s each).
+    # a decode replica asks: for kv_outbox_timeout_s at most, kv_outbox_max_mib in all).
     kv_transport: TransportName = "object_store"
     kv_outbox_timeout_s: float = Field(60.0, gt=0)
-    kv_outbox_capacity: int = Field(256, ge=1)
+    kv_outbox_max_mib: int = Field(1024, ge=1)
 
     # A decode replica waits this long for a prefilled request's KV, then applies the policy:
     # "recompute" runs the prompt on the decode replica, "fail" ends the request with an error.
@@ -138,7 +138,9 @@ def _disaggregated(
     """PDRouter -> PrefillServer (prefix-affinity routed) and DecodeServer (KV-capacity routed)."""
     engine_args = args.full_engine_args()
     pd = args.disaggregation
-    transport = KVTransportConfig(pd.kv_transport, pd.kv_outbox_timeout_s, pd.kv_outbox_capacity)
+    transport = KVTransportConfig(
+        pd.kv_transport, pd.kv_outbox_timeout_s, pd.kv_outbox_max_mib * (1 << 20)
+    )
     if pd.prefill_routing == "prefix_affinity":
         prefill_router = RequestRouterConfig(
             request_router_class="router.request_routers:PrefixAffinityRouter",

@@ -72,11 +72,16 @@ def pair_group(store: TCPStore, session: str, rank: int, timeout_s: float) -> Pr
 
 
 class Outbox:
-    """Exported payloads waiting for their decode replica, oldest first; thread-safe."""
+    """Exported payloads waiting for their decode replica, oldest first; thread-safe.
 
-    def __init__(self, timeout_s: float, capacity: int) -> None:
+    Bounded in bytes: a new payload drops the oldest until it fits (a payload larger than the
+    whole bound is kept alone), and the dropped request's decode replica recomputes or fails.
+    """
+
+    def __init__(self, timeout_s: float, max_bytes: int) -> None:
         self.timeout_s = timeout_s
-        self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._entries: OrderedDict[str, tuple[float, KVPayload]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -84,10 +89,11 @@ class Outbox:
         transfer_id = uuid.uuid4().hex
         with self._lock:
             self._expire()
-            while len(self._entries) >= self.capacity:
-                dropped, _ = self._entries.popitem(last=False)
+            while self._entries and self.nbytes + payload.nbytes > self.max_bytes:
+                dropped = self._pop_oldest()
                 logger.warning("KV outbox full: dropped transfer %s", dropped)
             self._entries[transfer_id] = (time.monotonic() + self.timeout_s, payload)
+            self.nbytes += payload.nbytes
         return transfer_id
 
     def take(self, transfer_id: str) -> KVPayload | None:
@@ -95,7 +101,14 @@ class Outbox:
         with self._lock:
             self._expire()
             entry = self._entries.pop(transfer_id, None)
-        return entry[1] if entry else None
+            if entry is None:
+                return None
+            self.nbytes -= entry[1].nbytes
+            return entry[1]
+
+    def expire(self) -> None:
+        with self._lock:
+            self._expire()
 
     def __len__(self) -> int:
         with self._lock:
@@ -106,7 +119,12 @@ class Outbox:
         now = time.monotonic()
         # Insertion order is expiry order: every entry lives timeout_s.
         while self._entries and next(iter(self._entries.values()))[0] <= now:
-            self._entries.popitem(last=False)
+            self._pop_oldest()
+
+    def _pop_oldest(self) -> str:
+        transfer_id, (_, payload) = self._entries.popitem(last=False)
+        self.nbytes -= payload.nbytes
+        return transfer_id
 
 
 class GlooServer:
@@ -130,6 +148,8 @@ class GlooServer:
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._dispatch, name="kv-gloo-dispatch", daemon=True)
         self._thread.start()
+        # Expired payloads are freed on time even when no export, fetch or stats call comes.
+        threading.Thread(target=self._expire_loop, name="kv-gloo-expire", daemon=True).start()
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -143,6 +163,11 @@ class GlooServer:
     def _client(self, timeout: timedelta) -> TCPStore:
         # One connection per thread: a blocking store call holds its connection.
         return TCPStore(HOST, self.port, None, False, timeout)
+
+    def _expire_loop(self) -> None:
+        period = min(1.0, self.outbox.timeout_s / 2)
+        while not self._closed.wait(period):
+            self.outbox.expire()
 
     def _dispatch(self) -> None:
         store = self._client(DISPATCH_WAIT)
@@ -244,8 +269,8 @@ class GlooTransport(KVTransport):
 
     name = "gloo"
 
-    def __init__(self, outbox_timeout_s: float, outbox_capacity: int) -> None:
-        self.outbox = Outbox(outbox_timeout_s, outbox_capacity)
+    def __init__(self, outbox_timeout_s: float, outbox_max_bytes: int) -> None:
+        self.outbox = Outbox(outbox_timeout_s, outbox_max_bytes)
         self._server: GlooServer | None = None
         self._server_lock = threading.Lock()
         self._receivers = ThreadPoolExecutor(MAX_CONCURRENT_FETCHES, "kv-gloo-recv")

@@ -35,21 +35,21 @@ class KVTransportConfig:
     """Which transport the prefill and decode replicas of one application use.
 
     The outbox settings apply to transports that keep payloads on the prefill replica until
-    asked (gloo): entries nobody redeems within ``outbox_timeout_s`` are dropped, and at most
-    ``outbox_capacity`` are kept (the oldest is dropped first).
+    asked (gloo): entries nobody redeems within ``outbox_timeout_s`` are dropped, and they hold
+    at most ``outbox_max_bytes`` (the oldest is dropped first).
     """
 
     name: TransportName = "object_store"
     outbox_timeout_s: float = 60.0
-    outbox_capacity: int = 256
+    outbox_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.name not in ("object_store", "gloo"):
             raise ValueError(f"unknown KV transport {self.name!r}: 'object_store' or 'gloo'")
         if self.outbox_timeout_s <= 0:
             raise ValueError(f"outbox_timeout_s must be > 0, got {self.outbox_timeout_s}")
-        if self.outbox_capacity < 1:
-            raise ValueError(f"outbox_capacity must be >= 1, got {self.outbox_capacity}")
+        if self.outbox_max_bytes < 1:
+            raise ValueError(f"outbox_max_bytes must be >= 1, got {self.outbox_max_bytes}")
 
 
 @dataclass(frozen=True)
@@ -123,5 +123,5 @@ def make_transport(config: KVTransportConfig) -> KVTransport:
     if config.name == "gloo":
         from deployments.gloo_transport import GlooTransport
 
-        return GlooTransport(config.outbox_timeout_s, config.outbox_capacity)
+        return GlooTransport(config.outbox_timeout_s, config.outbox_max_bytes)
     return ObjectStoreTransport()

@@ -521,7 +521,7 @@ def test_gloo_ticket_nobody_redeems_expires_and_a_ticket_is_redeemed_once(gloo_s
     ]
     assert all(r.kv_ticket is not None and r.kv_ticket.transport == "gloo" for r in results)
     assert sum(s["num_kv_outbox"] for s in replica_stats("PrefillServer", "pdgloo", 2).values())
-    receiver = GlooTransport(outbox_timeout_s=1, outbox_capacity=1)
+    receiver = GlooTransport(outbox_timeout_s=1, outbox_max_bytes=1 << 30)
     try:
         payload = asyncio.run(receiver.fetch(results[0].kv_ticket, 10.0))
         assert payload.kv.shape == payload.metadata.shape
@@ -590,7 +590,7 @@ def broken_tickets(request, serve_cluster):
         )
         return
     metadata = KVMetadata("tiny", "h", "float32", 2, 2, 16, 5, ())
-    prefill = GlooTransport(outbox_timeout_s=30, outbox_capacity=4)
+    prefill = GlooTransport(outbox_timeout_s=30, outbox_max_bytes=1 << 30)
     port = prefill.export(KVPayload(metadata, np.zeros(metadata.shape, np.float32))).port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -43,8 +43,8 @@ def payload(num_tokens: int = 40, seed: int = 0, layers: int = 3, heads: int = 2
 
 @pytest.fixture
 def pair():
-    prefill = GlooTransport(outbox_timeout_s=30, outbox_capacity=8)
-    decode = GlooTransport(outbox_timeout_s=30, outbox_capacity=8)
+    prefill = GlooTransport(outbox_timeout_s=30, outbox_max_bytes=1 << 30)
+    decode = GlooTransport(outbox_timeout_s=30, outbox_max_bytes=1 << 30)
     try:
         yield prefill, decode
     finally:
@@ -109,12 +109,25 @@ def test_a_dead_or_silent_peer_raises_within_the_timeout(pair):
 
 
 def test_outbox_expires_and_drops_the_oldest_when_full():
-    outbox = Outbox(timeout_s=0.2, capacity=2)
+    one = payload().nbytes
+    outbox = Outbox(timeout_s=0.2, max_bytes=2 * one)
     first, second, third = (outbox.put(payload()) for _ in range(3))
-    assert len(outbox) == 2 and outbox.take(first) is None
-    assert outbox.take(second) is not None
+    assert len(outbox) == 2 and outbox.nbytes == 2 * one and outbox.take(first) is None
+    assert outbox.take(second) is not None and outbox.nbytes == one
     time.sleep(0.3)
-    assert len(outbox) == 0 and outbox.take(third) is None
+    assert len(outbox) == 0 and outbox.nbytes == 0 and outbox.take(third) is None
+    big = outbox.put(payload(num_tokens=400))  # larger than the bound: kept alone
+    assert len(outbox) == 1 and outbox.take(big) is not None
+
+
+def test_expired_payloads_are_freed_without_any_call():
+    prefill = GlooTransport(outbox_timeout_s=0.3, outbox_max_bytes=1 << 30)
+    try:
+        prefill.export(payload())
+        time.sleep(1.0)
+        assert prefill.outbox.nbytes == 0  # reading nbytes expires nothing itself
+    finally:
+        prefill.close()
 
 
 def test_listeners_are_on_loopback_only(pair):
@@ -148,5 +161,5 @@ def _pair_group_alone(store: TCPStore) -> None:
 def test_config_names_the_transport():
     assert make_transport(KVTransportConfig()).name == "object_store"
     assert isinstance(make_transport(KVTransportConfig("gloo")), GlooTransport)
-    with pytest.raises(ValueError, match="outbox_capacity"):
-        KVTransportConfig("gloo", outbox_capacity=0)
+    with pytest.raises(ValueError, match="outbox_max_bytes"):
+        KVTransportConfig("gloo", outbox_max_bytes=0)
