@@ -21,6 +21,11 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+# A cap on list-valued sampling parameters (allowed_token_ids, bad_words), checked before
+# anything is allocated for them.
+MAX_LIST_PARAM = 4096
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
@@ -43,6 +48,9 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    # vLLM's extensions: sample only among these ids; never produce these words.
+    allowed_token_ids: list[int] | None = Field(None, max_length=MAX_LIST_PARAM)
+    bad_words: list[str] | None = Field(None, max_length=MAX_LIST_PARAM)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

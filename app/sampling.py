@@ -86,6 +86,8 @@ def sampling_fields(
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
         "logit_bias": logit_bias(request.logit_bias, limits.vocab_size),
+        "allowed_token_ids": request.allowed_token_ids,
+        "bad_words": request.bad_words,
         "detokenize": False,
         "logprobs": logprobs_count(request),
     }
@@ -97,11 +99,10 @@ def sampling_fields(
     ):
         if value is not None:
             fields[name] = value
-    bad_stop = [t for t in fields["stop_token_ids"] if not 0 <= t < limits.vocab_size]
-    if bad_stop:
-        raise OpenAIError(
-            400, f"stop_token_ids out of the vocabulary: {bad_stop[:5]}", param="stop_token_ids"
-        )
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        outside = [t for t in fields[name] or [] if not 0 <= t < limits.vocab_size]
+        if outside:
+            raise OpenAIError(400, f"{name} out of the vocabulary: {outside[:5]}", param=name)
     try:
         SamplingParams(**fields)
     except ValueError as exc:  # a check the pydantic model does not repeat

@@ -95,6 +95,9 @@ class LLMEngine:
         vocab = self.config.model.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab})")
+        bad_words = self.tokenizer.bad_words_token_ids(params.bad_words or [])
         if (export_kv or handoff is not None) and params.n != 1:
             raise ValueError("a KV handoff carries one sequence: split n > 1 into n requests")
         child_ids = (
@@ -104,7 +107,9 @@ class LLMEngine:
         requests = []
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.child(index)
-            requests.append(Request(child_id, prompt_ids, child_params, eos))
+            request = Request(child_id, prompt_ids, child_params, eos)
+            request.bad_words_token_ids = bad_words
+            requests.append(request)
         prefilled = None
         if handoff is not None:
             prefilled = self._continue_from(requests[0], handoff)
@@ -135,6 +140,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         result = self.runner.execute(scheduled)
+        if result.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         updated = self.scheduler.update(scheduled, result.sampled, result.failed)
         self._hand_off(updated)
         outputs, stopped = self.output_processor.process(updated, result.logprobs)

@@ -21,6 +21,7 @@ from neuron_runtime.loader import load_model
 from neuron_runtime.models.registry import model_class
 from neuron_runtime.sampler import (
     SamplingBatch,
+    apply_allowed_tokens,
     apply_logit_bias,
     apply_penalties,
     sample,
@@ -36,6 +37,8 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)  # req_id -> error message
     # req_id -> {token id: logprob}: the sampled token and the top ``logprobs`` tokens
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # req_id -> per predicted prompt token, {token id: logprob} (the actual token + top-N)
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(config: EngineConfig) -> int:
@@ -130,12 +133,15 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[ScheduledSeq] = []
         prefills: list[PrefillSlice] = []
+        prompt_rows: list[tuple[ScheduledSeq, int]] = []  # (slice, its first row)
         num_decode = 0
         bs = self.block_size
         for seq in seqs:
             q_start = len(input_ids)
             n = len(seq.token_ids)
             pos = range(seq.start_pos, seq.start_pos + n)
+            if seq.prompt_logprob_targets:
+                prompt_rows.append((seq, q_start + seq.prompt_logprob_offset))
             input_ids.extend(seq.token_ids)
             positions.extend(pos)
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
@@ -157,6 +163,8 @@ class ModelRunner:
             meta,
         )
         result = ModelRunnerOutput()
+        for seq, row in prompt_rows:
+            result.prompt_logprobs[seq.req_id] = self._prompt_logprobs(seq, hidden, row)
         if not sample_seqs:
             return result
         last_hidden = hidden[sample_rows]  # [S, H]
@@ -199,7 +207,26 @@ class ModelRunner:
             )
         if any(s.params.logit_bias for s in seqs):
             logits = apply_logit_bias(logits, [s.params.logit_bias for s in seqs])
+        if any(s.params.allowed_token_ids for s in seqs):
+            logits = apply_allowed_tokens(logits, [s.params.allowed_token_ids for s in seqs])
         return logits
+
+    def _prompt_logprobs(
+        self, seq: ScheduledSeq, hidden: torch.Tensor, first_row: int
+    ) -> list[dict[int, float]]:
+        targets = seq.prompt_logprob_targets
+        logits = self.model.compute_logits(hidden[first_row : first_row + len(targets)])  # [P, V]
+        target_t = torch.tensor(targets, device=self.device)
+        chosen, top_ids, top_values = top_logprobs(
+            logits, target_t, max(seq.params.prompt_logprobs or 0, 1)
+        )
+        n = seq.params.prompt_logprobs or 0
+        entries = []
+        for i, token in enumerate(targets):
+            entry = dict(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist(), strict=True))
+            entry[token] = float(chosen[i])
+            entries.append(entry)
+        return entries
 
     def _logprobs(
         self,

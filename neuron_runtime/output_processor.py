@@ -39,6 +39,9 @@ class _Parent:
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
     error: str | None = None
+    # Per prompt token: None for the first, then {token id: logprob} (when asked).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -85,9 +88,21 @@ class OutputProcessor:
                 self._mark_delivered(seq, prefilled)
             seqs[child_id] = seq
             self.child_to_parent[child_id] = request_id
-        self.parents[request_id] = _Parent(
+        parent = _Parent(
             request_id, prompt, list(prompt_token_ids), params, kind, seqs, time.monotonic()
         )
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+        self.parents[request_id] = parent
+
+    def add_prompt_logprobs(self, entries: dict[str, list[dict[int, float]]]) -> None:
+        """Appends a step's prompt logprobs (every child computes them; the first one counts)."""
+        for child_id, chunk in entries.items():
+            parent = self.parents.get(self.child_to_parent.get(child_id, ""))
+            if parent is None or parent.prompt_logprobs is None:
+                continue
+            if parent.seqs[child_id].index == 0:
+                parent.prompt_logprobs.extend(chunk)
 
     def process(
         self, updated: list[Request], logprobs: dict[str, dict[int, float]]
@@ -198,6 +213,11 @@ class OutputProcessor:
             metrics["first_token_time"] = parent.first_token_time
         if parent.first_scheduled_time is not None:
             metrics["first_scheduled_time"] = parent.first_scheduled_time
+        prompt_logprobs = parent.prompt_logprobs
+        if parent.kind == RequestOutputKind.DELTA:
+            # Sent once, with the first output (the whole prompt has been computed by then).
+            prompt_logprobs = None if parent.sent_prompt_logprobs else prompt_logprobs
+            parent.sent_prompt_logprobs = True
         if finished:
             del self.parents[parent.request_id]
             for child_id in parent.seqs:
@@ -211,4 +231,5 @@ class OutputProcessor:
             num_cached_tokens=parent.num_cached_tokens,
             error=parent.error,
             metrics=metrics,
+            prompt_logprobs=prompt_logprobs,
         )

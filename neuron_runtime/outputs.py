@@ -42,5 +42,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Per prompt token: None for the first, then {token id: logprob} (prompt_logprobs asked).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # Prefill role: the prompt's KV and the first token, for a decode engine to continue.
     kv_handoff: KVHandoff | None = None

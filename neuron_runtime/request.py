@@ -66,6 +66,10 @@ class Request:
         self.first_scheduled_time: float | None = None
         # Prefill role: hand the request off (export its KV) once its first token is out.
         self.export_kv = False
+        # Prompt positions whose prompt logprobs were produced (a recompute skips them).
+        self.num_prompt_logprobs = 0
+        # bad_words as token id sequences (set by the engine, which has the tokenizer).
+        self.bad_words_token_ids: list[list[int]] = []
         # Decode role: KV of the prompt computed elsewhere, written into the cache when the
         # request is admitted (dropped on preemption: a preempted request recomputes).
         self.kv_import: KVPayload | None = None
@@ -95,13 +99,20 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     def banned_token_ids(self) -> list[int]:
-        """EOS and stop tokens may not be sampled until ``min_tokens`` are out."""
+        """Tokens the next step must not sample: EOS and stop tokens until ``min_tokens`` are
+        out, and the last token of every bad word whose other tokens end the output."""
         params = self.params
-        if self.num_output_tokens >= params.min_tokens:
-            return []
-        banned = list(params.stop_token_ids)
-        if self.eos_token_id is not None and not params.ignore_eos:
-            banned.append(self.eos_token_id)
+        banned = []
+        if self.num_output_tokens < params.min_tokens:
+            banned.extend(params.stop_token_ids)
+            if self.eos_token_id is not None and not params.ignore_eos:
+                banned.append(self.eos_token_id)
+        if self.bad_words_token_ids:
+            output = self.output_token_ids
+            for word in self.bad_words_token_ids:
+                prefix = word[:-1]
+                if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
+                    banned.append(word[-1])
         return banned
 
     def append_token(self, token_id: int) -> None:

@@ -70,6 +70,20 @@ def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]
     return logits.index_put(index, values_t, accumulate=True)
 
 
+def apply_allowed_tokens(logits: torch.Tensor, allowed: list[list[int] | None]) -> torch.Tensor:
+    """Masks (to -inf) every token outside a row's allowed list; rows with None keep all.
+
+    logits: [B, V].
+    """
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    for row, ids in enumerate(allowed):
+        if ids is None:
+            keep[row] = True
+        else:
+            keep[row, torch.tensor(ids, dtype=torch.long, device=logits.device)] = True
+    return logits.masked_fill(~keep, float("-inf"))
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:

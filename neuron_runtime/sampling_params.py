@@ -36,6 +36,9 @@ class SamplingParams:
     detokenize: bool = True
     # Log-probabilities of the sampled token plus this many top tokens, per output token.
     logprobs: int | None = None
+    # Log-probabilities of each prompt token (after the first) plus this many top tokens.
+    # Such a request skips the prefix cache: every prompt position must be computed.
+    prompt_logprobs: int | None = None
     # Penalties on tokens already seen: presence/frequency subtract from the logits of output
     # tokens (once / per occurrence); repetition (> 1 discourages) divides positive logits and
     # multiplies negative ones of prompt and output tokens, as in vLLM.
@@ -44,6 +47,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # token id -> value added to its logit before sampling.
     logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
+    # Words never to produce: the engine tokenizes each (as given and after a space) and bans
+    # a word's last token whenever the output already ends with the rest of it.
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +96,14 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                f"got {self.prompt_logprobs!r}"
+            )
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -98,6 +114,15 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
             )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids >= 0")
+        if self.bad_words is not None and any(
+            not isinstance(w, str) or not w.strip() for w in self.bad_words
+        ):
+            raise ValueError("bad_words must be a list of non-empty strings")
         for token_id, bias in (self.logit_bias or {}).items():
             if not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id!r}")

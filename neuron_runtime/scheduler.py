@@ -29,6 +29,9 @@ class ScheduledSeq:
     # The tokens penalties look at; filled only when the params carry a penalty.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs: rows from ``prompt_logprob_offset`` on predict these prompt tokens.
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    prompt_logprob_offset: int = 0
     # KV of the first ``kv_import.metadata.num_tokens`` tokens, to write before this slice runs.
     kv_import: KVPayload | None = None
 
@@ -98,6 +101,8 @@ class Scheduler:
             if request.kv_import is not None:
                 # Imported KV counts as computed: only the tokens after it need a forward pass.
                 request.num_computed_tokens = request.kv_import.metadata.num_tokens
+            elif request.params.prompt_logprobs is not None:
+                request.num_computed_tokens = 0  # every prompt position needs its logits
             else:
                 request.num_cached_tokens = self.kv.match_prefix(request)
                 request.num_computed_tokens = request.num_cached_tokens
@@ -130,6 +135,14 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         penalized = request.params.has_penalties
+        targets: list[int] = []
+        offset = 0
+        if request.params.prompt_logprobs is not None:
+            # Position p predicts prompt token p + 1; earlier chunks already produced some.
+            first = max(start, request.num_prompt_logprobs)
+            offset = first - start
+            targets = request.prompt_token_ids[first + 1 : min(end + 1, request.num_prompt_tokens)]
+            request.num_prompt_logprobs = first + len(targets)
         return ScheduledSeq(
             req_id=request.req_id,
             token_ids=request.all_token_ids[start:end],
@@ -140,6 +153,8 @@ class Scheduler:
             banned_token_ids=request.banned_token_ids(),
             prompt_token_ids=request.prompt_token_ids if penalized else [],
             output_token_ids=request.output_token_ids if penalized else [],
+            prompt_logprob_targets=targets,
+            prompt_logprob_offset=offset,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -41,6 +41,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._hf.encode(text, add_special_tokens=add_special_tokens)
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each word's token ids as written and after a space (the spelling mid-sentence),
+        without special tokens; duplicates removed."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for spelling in (word, " " + word.lstrip()):
+                ids = self.encode(spelling, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
     def encode_batch(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
         """Token ids of each text, special tokens added; cut to ``max_length`` (specials kept)."""
         truncate = max_length is not None

@@ -211,6 +211,23 @@ def test_logprobs_chat_and_completion(client):
     assert "".join(logprobs.tokens) == comp.choices[0].text
 
 
+def test_bad_words_and_allowed_tokens_equal_offline_llm(client, offline_llm):
+    from neuron_runtime import SamplingParams
+
+    kwargs = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=10)
+    extra = {"bad_words": ["Paris"], "allowed_token_ids": None}
+    reply = client.chat.completions.create(**kwargs, extra_body=extra)
+    params = SamplingParams(temperature=0, max_tokens=10, bad_words=["Paris"])
+    (expected,) = offline_llm.chat(QUESTION, params)
+    assert reply.choices[0].message.content == expected.outputs[0].text
+    assert "Paris" not in expected.outputs[0].text
+    allowed = expected.outputs[0].token_ids[:3]
+    reply = client.chat.completions.create(**kwargs, extra_body={"allowed_token_ids": allowed})
+    params = SamplingParams(temperature=0, max_tokens=10, allowed_token_ids=allowed)
+    (expected,) = offline_llm.chat(QUESTION, params)
+    assert reply.choices[0].message.content == expected.outputs[0].text
+
+
 def test_stop_string_cuts_text(client):
     kwargs = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
     full = client.chat.completions.create(**kwargs).choices[0].message.content
@@ -294,6 +311,10 @@ def _chat_body(**overrides):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
         ({"stop": [""]}, "stop"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [99999999]}, "allowed_token_ids"),
+        ({"allowed_token_ids": list(range(5000))}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
     ],
 )
 def test_invalid_chat_parameter_is_400_naming_it(server, overrides, param):
