@@ -17,6 +17,7 @@ from ray.serve.config import RequestRouterConfig
 from app.ingress import OpenAIIngress
 from deployments.decode import DecodeServer
 from deployments.embedding import EmbeddingServer
+from deployments.kv_transport import KVTransportConfig, TransportName
 from deployments.llm_server import LLMServer
 from deployments.prefill import PrefillServer
 from neuron_runtime.engine_args import EngineArgs
@@ -26,9 +27,17 @@ _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 class DisaggregationArgs(BaseModel):
-    """Prefill/decode split: KV handoff failure policy and prefill routing."""
+    """Prefill/decode split: KV transport and its failure policy, prefill routing."""
 
     model_config = ConfigDict(extra="forbid")
+
+    # How the KV moves from prefill to decode replicas: "object_store" (ray.put, the decode
+    # replica reads the ref) or "gloo" (torch.distributed point-to-point over 127.0.0.1, the
+    # CPU stand-in for Neuron collectives; the prefill replica keeps the KV in an outbox until
+    # a decode replica asks: for kv_outbox_timeout_s at most, kv_outbox_max_mib in all).
+    kv_transport: TransportName = "object_store"
+    kv_outbox_timeout_s: float = Field(60.0, gt=0)
+    kv_outbox_max_mib: int = Field(1024, ge=1)
 
     # A decode replica waits this long for a prefilled request's KV, then applies the policy:
     # "recompute" runs the prompt on the decode replica, "fail" ends the request with an error.
@@ -129,6 +138,9 @@ def _disaggregated(
     """PDRouter -> PrefillServer (prefix-affinity routed) and DecodeServer (KV-capacity routed)."""
     engine_args = args.full_engine_args()
     pd = args.disaggregation
+    transport = KVTransportConfig(
+        pd.kv_transport, pd.kv_outbox_timeout_s, pd.kv_outbox_max_mib * (1 << 20)
+    )
     if pd.prefill_routing == "prefix_affinity":
         prefill_router = RequestRouterConfig(
             request_router_class="router.request_routers:PrefixAffinityRouter",
@@ -143,7 +155,7 @@ def _disaggregated(
     prefill = PrefillServer.options(
         request_router_config=prefill_router,
         **(prefill_options or {}),
-    ).bind(engine_args, engine_cls, args.health_stall_timeout_s)
+    ).bind(engine_args, engine_cls, args.health_stall_timeout_s, transport)
     decode = DecodeServer.options(
         request_router_config=RequestRouterConfig(
             request_router_class="router.request_routers:KVCapacityRouter",
@@ -156,5 +168,6 @@ def _disaggregated(
         args.health_stall_timeout_s,
         pd.kv_fetch_timeout_s,
         pd.on_kv_failure,
+        transport,
     )
     return PDRouter.bind(prefill, decode, pd.prefill_retries)

@@ -11,15 +11,18 @@ Arrivals are Poisson at ``--request-rate`` (requests/s) or, with rate inf, as fa
 ``--concurrency`` allows. Prompts are random token ids of ``--input-len``, greedy, ignore_eos,
 ``--output-len`` tokens, so every path does identical work.
 
-With ``--start-server`` one local cluster runs both applications, ``colocated`` (one
-LLMServer) and ``disaggregated`` (PDRouter -> PrefillServer -> DecodeServer), and each round
-loads them in turn (A B A B ...), so background load hits both alike. For the disaggregated
-app the KV handoff is read from its /metrics: the export (prefill side, inside TTFT) and the
-import (decode side, before the second token). The "direct" run drives an in-process
-AsyncEngine with the same prompts and schedule; its difference to the colocated app is the
-cost of the Serve path (proxy -> ingress -> LLM replica and back, SSE, detokenization).
+With ``--start-server`` one local cluster runs the applications of ``--configs``:
+``colocated`` (one LLMServer), ``disaggregated`` (PDRouter -> PrefillServer -> DecodeServer,
+the KV through Ray's object store) and ``disaggregated-gloo`` (the same, the KV over the gloo
+transport), and each round loads them in turn (A B C A B C ...), so background load hits all
+alike. For each disaggregated app the KV handoff is read from its /metrics, per transport: the
+export (prefill side, inside TTFT) and the import (decode side, before the second token). The
+"direct" run drives an in-process AsyncEngine with the same prompts and schedule; its
+difference to the colocated app is the cost of the Serve path (proxy -> ingress -> LLM replica
+and back, SSE, detokenization).
 
     python bench/serve.py --start-server --num-requests 16 --concurrency 4 --rounds 2
+    python bench/serve.py --start-server --configs colocated,disaggregated,disaggregated-gloo
     python bench/serve.py --base-url http://127.0.0.1:8000 ...   # against `make serve`
 
 Only 127.0.0.1 / localhost targets are accepted.
@@ -33,6 +36,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import time
@@ -43,6 +47,12 @@ from urllib.parse import urlparse
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 MODEL = "smollm2-135m-instruct"
+# --configs names -> (BuildArgs.mode, DisaggregationArgs.kv_transport)
+CONFIGS = {
+    "colocated": ("colocated", "object_store"),
+    "disaggregated": ("disaggregated", "object_store"),
+    "disaggregated-gloo": ("disaggregated", "gloo"),
+}
 
 
 @dataclass
@@ -190,7 +200,7 @@ def start_server(args: argparse.Namespace) -> dict[str, str]:
     import ray
     from ray import serve
 
-    from app.builder import BuildArgs, build_openai_app
+    from app.builder import BuildArgs, DisaggregationArgs, build_openai_app
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -206,7 +216,13 @@ def start_server(args: argparse.Namespace) -> dict[str, str]:
     small = {"ray_actor_options": {"num_cpus": 0.1}}
     urls = {}
     for name in args.configs.split(","):
-        build = BuildArgs(mode=name, max_model_len=args.max_model_len, embedding_model=None)
+        mode, transport = CONFIGS[name]
+        build = BuildArgs(
+            mode=mode,
+            max_model_len=args.max_model_len,
+            embedding_model=None,
+            disaggregation=DisaggregationArgs(kv_transport=transport),
+        )
         app = build_openai_app(
             build,
             llm_options=small,
@@ -219,29 +235,39 @@ def start_server(args: argparse.Namespace) -> dict[str, str]:
     return urls
 
 
-def handoff_figures(before: str, after: str, ttft: dict) -> dict:
-    """Mean KV export/import seconds between two /metrics scrapes, and export's TTFT share."""
+def handoff_figures(before: str, after: str, ttft: dict) -> dict[str, dict]:
+    """Per transport seen: mean KV export/import seconds between two /metrics scrapes, the
+    mean bytes per import, and export's share of the mean TTFT."""
 
-    def total(text: str, name: str, stage: str) -> float:
+    def total(text: str, name: str, *labels: str) -> float:
         return sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
-            if line.startswith(name + "{") and f'stage="{stage}"' in line
+            if line.startswith(name + "{") and all(label in line for label in labels)
         )
 
-    out: dict[str, float | None] = {}
-    for stage in ("export", "import"):
-        count = total(after, "neuron:kv_transfer_seconds_count", stage) - total(
-            before, "neuron:kv_transfer_seconds_count", stage
-        )
-        seconds = total(after, "neuron:kv_transfer_seconds_sum", stage) - total(
-            before, "neuron:kv_transfer_seconds_sum", stage
-        )
-        out[f"{stage}_mean_ms"] = seconds / count * 1e3 if count else None
-    export = out["export_mean_ms"]
-    mean_ttft = ttft.get("mean_ms")
-    out["export_share_of_ttft"] = export / mean_ttft if export and mean_ttft else None
-    return out
+    def delta(name: str, *labels: str) -> float:
+        return total(after, name, *labels) - total(before, name, *labels)
+
+    transports = sorted(
+        set(re.findall(r'neuron:kv_transfer_seconds_count\{[^}]*transport="(\w+)"', after))
+    )
+    figures: dict[str, dict] = {}
+    for transport in transports:
+        label = f'transport="{transport}"'
+        out: dict[str, float | None] = {}
+        for stage in ("export", "import"):
+            count = delta("neuron:kv_transfer_seconds_count", label, f'stage="{stage}"')
+            seconds = delta("neuron:kv_transfer_seconds_sum", label, f'stage="{stage}"')
+            out[f"{stage}_mean_ms"] = seconds / count * 1e3 if count else None
+            if stage == "import":
+                nbytes = delta("neuron:kv_transfer_bytes_total", label)
+                out["import_mean_kib"] = nbytes / count / 1024 if count else None
+        export = out["export_mean_ms"]
+        mean_ttft = ttft.get("mean_ms")
+        out["export_share_of_ttft"] = export / mean_ttft if export and mean_ttft else None
+        figures[transport] = out
+    return figures
 
 
 def print_table(rows: dict[str, dict]) -> None:
@@ -281,13 +307,20 @@ def main() -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
     parser.add_argument("--no-direct", action="store_true", help="skip the in-process engine")
-    parser.add_argument("--configs", default="colocated,disaggregated", help="with --start-server")
+    parser.add_argument(
+        "--configs",
+        default="colocated,disaggregated",
+        help=f"with --start-server, comma-separated: {', '.join(CONFIGS)}",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the configs")
     parser.add_argument("--json", default="bench/results/serve.json")
     args = parser.parse_args()
 
     if args.start_server == (args.base_url is not None):
         sys.exit("give exactly one of --base-url and --start-server")
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        sys.exit(f"unknown --configs {sorted(unknown)}: choose from {', '.join(CONFIGS)}")
     rng = random.Random(args.seed)
     # Ids from the ordinary vocabulary (no special tokens), one fixed set for both paths.
     prompts = [
@@ -327,8 +360,11 @@ def main() -> None:
     print_table({k: v for k, v in rows.items() if "completed" in v})
     served = [k for k in rows if k != "direct"]
     pairs = [(a, "direct") for a in served if "direct" in rows]
-    if "colocated" in rows and "disaggregated" in rows:
-        pairs.append(("disaggregated", "colocated"))
+    for name in ("disaggregated", "disaggregated-gloo"):
+        if "colocated" in rows and name in rows:
+            pairs.append((name, "colocated"))
+    if "disaggregated" in rows and "disaggregated-gloo" in rows:
+        pairs.append(("disaggregated-gloo", "disaggregated"))
     for a, b in pairs:
         delta = {
             f"{m}_p50_delta_ms": rows[a][m]["p50_ms"] - rows[b][m]["p50_ms"]
@@ -337,12 +373,12 @@ def main() -> None:
         }
         rows[f"{a}_minus_{b}"] = delta
         print(f"{a} minus {b} (p50):", ", ".join(f"{k}={v:.2f}" for k, v in delta.items()))
-    if "handoff" in rows.get("disaggregated", {}):
-        h = rows["disaggregated"]["handoff"]
-        print(
-            "KV handoff (disaggregated):",
-            ", ".join(f"{k}={v:.3f}" for k, v in h.items() if v is not None),
-        )
+    for name, row in rows.items():
+        for transport, h in row.get("handoff", {}).items():
+            print(
+                f"KV handoff ({name}, {transport}):",
+                ", ".join(f"{k}={v:.3f}" for k, v in h.items() if v is not None),
+            )
     report = {
         "config": {k: (str(v) if v == float("inf") else v) for k, v in vars(args).items()},
         "machine": {

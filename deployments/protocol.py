@@ -1,7 +1,7 @@
 """Plain data that crosses the Ray boundaries between ingress, router and engine deployments.
 
-Only ints, floats, strings, lists of them, numpy arrays and object refs: no torch tensors, no
-live engine objects.
+Only ints, floats, strings, lists of them, numpy arrays, frozen dataclasses of those and object
+refs: no torch tensors, no live engine objects.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from deployments.kv_transport import KVTicket
 
 
 @dataclass
@@ -53,21 +55,22 @@ class StepOutput:
 
 @dataclass
 class KVTransferInfo:
-    transport: str  # "object_store" | "recompute"
+    transport: str  # "object_store" | "gloo" | "recompute"
     stage: str  # "export" (prefill side, before the first token returns) | "import"
     num_bytes: int
-    seconds: float  # export: putting the KV in the store; import: asking for it to holding it
+    # export: handing the KV to the transport (object store: the copy into it; gloo: the outbox);
+    # import: asking for it to holding it (gloo: the whole transfer)
+    seconds: float
     failed: bool = False  # the fetch failed or timed out (then the prompt was recomputed)
 
 
 @dataclass
 class PrefillResult:
     """A prefill replica's answer: the first token and, unless the request already ended,
-    a reference to the prompt's KV (a neuron_runtime.kv_transfer.KVPayload in Ray's object
-    store, owned by the prefill replica and alive while the router holds this reference)."""
+    the ticket a decode replica redeems for the prompt's KV (deployments/kv_transport.py)."""
 
     step: StepOutput
-    kv_ref: Any = None  # ray.ObjectRef | None
+    kv_ticket: KVTicket | None = None
     num_kv_bytes: int = 0
     generator_state: np.ndarray | None = None  # the seeded sampler's state after token 1
     replica_id: str = ""
@@ -81,6 +84,6 @@ class DecodeRequest:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
     output_token_ids: list[int]
-    kv_ref: Any = None  # ray.ObjectRef | None: None means recompute the prompt
+    kv_ticket: KVTicket | None = None  # None means recompute the prompt
     num_kv_bytes: int = 0
     generator_state: np.ndarray | None = None

@@ -4,8 +4,8 @@ It speaks the LLMServer protocol to the ingress (``generate`` streams StepOutput
 ``stats`` and ``check_health``), so the ingress does not know whether the engine behind it is
 colocated or split. Per request:
 
-    prefill replica (PrefixAffinityRouter)  -> first token, KV ref   -> streamed at once
-    decode replica (KVCapacityRouter)       <- prompt, first token, KV ref
+    prefill replica (PrefixAffinityRouter)  -> first token, KV ticket -> streamed at once
+    decode replica (KVCapacityRouter)       <- prompt, first token, KV ticket
                                             -> the other tokens      -> streamed
 
 The first token goes to the client before the KV moves, so the handoff adds to the second
@@ -90,21 +90,22 @@ class PDRouter:
         result = await self._prefill(request)
         self._note(result.step.stats)
         yield _reindexed(result.step, index)
-        if result.kv_ref is None:
+        if result.kv_ticket is None:
             return  # the request ended on its first token
         decode_request = DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling,
             output_token_ids=[t for seq in result.step.seqs for t in seq.token_ids],
-            kv_ref=result.kv_ref,
+            kv_ticket=result.kv_ticket,
             num_kv_bytes=result.num_kv_bytes,
             generator_state=result.generator_state,
         )
         del result
         self.num_kv_refs_held += 1
         stream = self.decode.generate.remote(decode_request)
-        del decode_request  # Ray keeps the KV alive until the decode call ends
+        # An object-store ticket's ref: Ray keeps the KV alive until the decode call ends.
+        del decode_request
         try:
             async for step in stream:
                 self._note(step.stats)
@@ -136,7 +137,7 @@ class PDRouter:
 
     def stats(self) -> list[dict[str, Any]]:
         """The latest load snapshot of every engine replica this router has heard from, and
-        this router's own (KV references it holds for requests being decoded)."""
+        this router's own (KV tickets it holds for requests being decoded)."""
         own = {"replica_id": f"router:{self.replica_id}", "num_kv_refs_held": self.num_kv_refs_held}
         return [*self.replica_stats.values(), own]
 

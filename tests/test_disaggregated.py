@@ -4,8 +4,11 @@ Applications on the shared cluster (conftest.serve_cluster):
 - ``pd`` (/pd): the real default model, two prefill replicas and one decode replica;
 - ``colo`` (/colo): the same model colocated (one LLMServer), the baseline;
 - ``pdfault`` (/pdfault): a tiny random-weight Llama, prefill replicas whose engine exits the
-  process on a marked request (once), for the failure cases.
-References: the offline ``LLM`` on the same weights, and the colocated app.
+  process on a marked request (once), for the failure cases;
+- ``pdgloo`` (/pdgloo): the tiny Llama, two prefill replicas and one decode replica, the KV
+  over the gloo transport (a short outbox timeout, so stranded payloads expire in the test).
+References: the offline ``LLM`` on the same weights, and the colocated app. The KV fetch policy
+is checked for both transports on a DecodeServer outside Serve.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.ray
@@ -140,6 +144,7 @@ def wait_idle(app: str, num_prefill: int, timeout_s: float = 60.0) -> None:
             or s["num_waiting"]
             or s["num_unfinished_outputs"]
             or s["num_kv_blocks_used"]
+            or s.get("num_kv_outbox")
         ]
         refs = router_kv_refs(app)
         if not busy and refs == 0:
@@ -429,6 +434,105 @@ def test_decode_replica_killed_mid_stream_ends_with_error_and_done(fault_server)
     wait_idle("pdfault", 2)
 
 
+# -- the gloo transport ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gloo_server(serve_cluster, tiny_llama_path):
+    from app.builder import BuildArgs, DisaggregationArgs, build_openai_app
+
+    small = {"ray_actor_options": {"num_cpus": 0.05}}
+    app = build_openai_app(
+        BuildArgs(
+            mode="disaggregated",
+            model=str(tiny_llama_path),
+            served_model_name="tiny",
+            max_model_len=MAX_MODEL_LEN,
+            embedding_model=None,
+            engine_args={"num_kv_blocks": 256},
+            disaggregation=DisaggregationArgs(kv_transport="gloo", kv_outbox_timeout_s=3),
+        ),
+        prefill_options={"num_replicas": 2, **small},
+        decode_options=small,
+        ingress_options=small,
+    )
+    serve.run(app, name="pdgloo", route_prefix="/pdgloo")
+    try:
+        yield serve_cluster
+    finally:
+        serve.delete("pdgloo")
+
+
+def test_gloo_concurrent_mixed_greedy_equals_offline(gloo_server, tiny_offline):
+    prompts = [[5 + (7 * i + j) % 300 for j in range(3 + 11 * i)] for i in range(8)]
+    lengths = [4 + 3 * i for i in range(len(prompts))]
+    url = f"{gloo_server}/pdgloo/v1/completions"
+
+    def ask(i: int) -> dict:
+        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0}
+        response = httpx.post(url, json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(ask, range(len(prompts))))
+    for prompt, n, reply in zip(prompts, lengths, replies, strict=True):
+        params = SamplingParams(temperature=0, max_tokens=n)
+        out = tiny_offline.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+        assert reply["choices"][0]["text"] == out.text
+        assert reply["usage"]["completion_tokens"] == len(out.token_ids)
+    text = httpx.get(f"{gloo_server}/pdgloo/metrics", timeout=30).text
+    assert re.search(r'neuron:kv_transfer_bytes_total\{[^}]*transport="gloo"', text)
+    assert metric(text, "neuron:kv_transfer_failures_total") == 0
+    prefill = replica_stats("PrefillServer", "pdgloo", 2).values()
+    assert all("num_kv_outbox" in s for s in prefill)  # the replicas run this checkout's code
+    wait_idle("pdgloo", 2)
+
+
+def test_gloo_client_disconnect_mid_decode_frees_every_replica(gloo_server):
+    body = {
+        "model": "tiny",
+        "prompt": [5, 6, 7],
+        "max_tokens": 800,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    ctx, _ = _open_stream(f"{gloo_server}/pdgloo/v1/completions", body, 4)
+    decode = replica_stats("DecodeServer", "pdgloo", 1)
+    assert next(iter(decode.values()))["num_running"] == 1
+    ctx.__exit__(None, None, None)
+    wait_idle("pdgloo", 2)
+
+
+def test_gloo_ticket_nobody_redeems_expires_and_a_ticket_is_redeemed_once(gloo_server):
+    """A prefill whose request never reaches decode (the client left in between) leaves its
+    payload in the outbox only until kv_outbox_timeout_s; the test process redeems another
+    ticket over gloo itself, once."""
+    from deployments.gloo_transport import GlooTransport
+    from deployments.kv_transport import KVTransportError
+    from deployments.protocol import GenerateRequest
+
+    handle = serve.get_deployment_handle("PrefillServer", app_name="pdgloo")
+    sampling = {"temperature": 0.0, "max_tokens": 5, "detokenize": False}
+    prompt = list(range(5, 45))
+    results = [
+        handle.prefill.remote(GenerateRequest(f"strand-{i}", prompt, sampling)).result(timeout_s=60)
+        for i in range(2)
+    ]
+    assert all(r.kv_ticket is not None and r.kv_ticket.transport == "gloo" for r in results)
+    assert sum(s["num_kv_outbox"] for s in replica_stats("PrefillServer", "pdgloo", 2).values())
+    receiver = GlooTransport(outbox_timeout_s=1, outbox_max_bytes=1 << 30)
+    try:
+        payload = asyncio.run(receiver.fetch(results[0].kv_ticket, 10.0))
+        assert payload.kv.shape == payload.metadata.shape
+        assert payload.metadata.num_tokens == len(prompt)
+        with pytest.raises(KVTransportError, match="has no KV transfer"):
+            asyncio.run(receiver.fetch(results[0].kv_ticket, 10.0))
+    finally:
+        receiver.close()
+    wait_idle("pdgloo", 2, timeout_s=30)  # the second payload expires after 3 s
+
+
 # -- the KV fetch policy, on a DecodeServer outside Serve ------------------------------------
 
 
@@ -442,13 +546,15 @@ def _late_kv(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def _decode_server(model_path: Path, policy: str, timeout_s: float):
+def _decode_server(model_path: Path, policy: str, timeout_s: float, transport: str):
     from deployments.decode import DecodeServer
+    from deployments.kv_transport import KVTransportConfig
 
     return DecodeServer.func_or_class(
         {"model": str(model_path), "max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 64},
         kv_fetch_timeout_s=timeout_s,
         on_kv_failure=policy,
+        kv_transport=KVTransportConfig(transport),
     )
 
 
@@ -460,29 +566,80 @@ async def _decode_all(server, request) -> tuple[list[int], list]:
     return tokens, transfers
 
 
+@pytest.fixture
+def broken_tickets(request, serve_cluster):
+    """Tickets of the transport under test that cannot be redeemed: (lost, late) pairs.
+
+    object_store: an object whose task raised, one that is not ready in time. gloo: a transfer
+    the prefill side does not have, a prefill replica that is gone (nothing listens), a peer
+    that accepts the connection and never answers.
+    """
+    import socket
+
+    from deployments.gloo_transport import GlooTransport
+    from deployments.kv_transport import GlooTicket, ObjectStoreTicket
+    from neuron_runtime.kv_transfer import KVMetadata, KVPayload
+
+    if request.param == "object_store":
+        yield (
+            "object_store",
+            [
+                ObjectStoreTicket(_lost_kv.remote()),
+                ObjectStoreTicket(_late_kv.remote(30)),
+            ],
+        )
+        return
+    metadata = KVMetadata("tiny", "h", "float32", 2, 2, 16, 5, ())
+    prefill = GlooTransport(outbox_timeout_s=30, outbox_max_bytes=1 << 30)
+    port = prefill.export(KVPayload(metadata, np.zeros(metadata.shape, np.float32))).port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free_port = sock.getsockname()[1]
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        yield (
+            "gloo",
+            [
+                GlooTicket("127.0.0.1", port, "no-such-transfer", metadata),
+                GlooTicket("127.0.0.1", free_port, "t", metadata),
+                GlooTicket("127.0.0.1", silent.getsockname()[1], "t", metadata),
+            ],
+        )
+    finally:
+        silent.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("broken_tickets", ["object_store", "gloo"], indirect=True)
 def test_kv_fetch_failure_recomputes_or_fails_by_policy(
-    serve_cluster, tiny_llama_path, tiny_offline
+    broken_tickets, tiny_llama_path, tiny_offline
 ):
     from deployments.decode import KVFetchError
     from deployments.protocol import DecodeRequest
 
+    transport, tickets = broken_tickets
     prompt = [5, 6, 7, 8, 9]
     params = SamplingParams(temperature=0, max_tokens=10)
     expected = tiny_offline.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
     sampling = {"temperature": 0.0, "max_tokens": 10, "detokenize": False}
 
-    def request(ref) -> DecodeRequest:  # noqa: ANN001
-        return DecodeRequest("r", prompt, sampling, expected[:1], kv_ref=ref, num_kv_bytes=1)
+    def request(ticket) -> DecodeRequest:  # noqa: ANN001
+        return DecodeRequest("r", prompt, sampling, expected[:1], kv_ticket=ticket, num_kv_bytes=1)
 
-    recompute = _decode_server(tiny_llama_path, "recompute", timeout_s=0.5)
-    for ref in (_lost_kv.remote(), _late_kv.remote(30)):
-        tokens, transfers = asyncio.run(_decode_all(recompute, request(ref)))
+    recompute = _decode_server(tiny_llama_path, "recompute", 0.5, transport)
+    for ticket in tickets:
+        start = time.monotonic()
+        tokens, transfers = asyncio.run(_decode_all(recompute, request(ticket)))
         assert tokens == expected[1:]  # the prompt was recomputed on the decode side
         assert transfers[0].failed and transfers[0].num_bytes == 0
-    fail = _decode_server(tiny_llama_path, "fail", timeout_s=0.5)
+        assert transfers[0].transport == transport
+        assert transfers[0].seconds < 1.5, transfers[0]  # bounded by the fetch timeout
+        assert time.monotonic() - start < 30
+    fail = _decode_server(tiny_llama_path, "fail", 0.5, transport)
     with pytest.raises(KVFetchError):
-        asyncio.run(_decode_all(fail, request(_late_kv.remote(30))))
+        asyncio.run(_decode_all(fail, request(tickets[-1])))
     for server in (recompute, fail):
         stats = server.engine.stats()
         assert stats.num_running == stats.num_kv_blocks_used == stats.num_unfinished_outputs == 0
         server.engine.shutdown()
+        server.transport.close()
