@@ -265,6 +265,7 @@ class ModelRunner:
             decode_masked = (key_pos.unsqueeze(0) >= context_lens.unsqueeze(1)).unsqueeze(1)
             block_ids = torch.tensor(table, device=dev).flatten()
         else:
+            context_lens = torch.empty(0, dtype=torch.long, device=dev)
             decode_masked = torch.empty(0, 1, 0, dtype=torch.bool, device=dev)
             block_ids = torch.empty(0, dtype=torch.long, device=dev)
         return AttentionMetadata(
@@ -273,6 +274,7 @@ class ModelRunner:
             decode_block_ids=block_ids,
             decode_masked=decode_masked,
             prefills=prefills,
+            decode_context_lens=context_lens,
         )
 
     def _sampling_batch(self, seqs: list[ScheduledSeq]) -> SamplingBatch:

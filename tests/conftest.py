@@ -33,36 +33,60 @@ def default_model_path() -> Path:
     return resolve_model("smollm2-135m-instruct")
 
 
+# Shared by every tiny random decoder: the SmolLM2 vocabulary, 4 query heads.
+TINY_SETTINGS = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.2,
+)
+
+
+def make_tiny_model(
+    out: Path,
+    tokenizer_src: Path,
+    architecture: str,
+    settings: dict,
+    perturb_zero_init: bool = False,
+) -> Path:
+    """A seeded random transformers ``architecture`` model with the SmolLM2 tokenizer, saved as
+    a normal HF folder (safetensors).
+
+    ``perturb_zero_init`` adds noise to the biases and norm weights, which HF initializes to
+    constants (zeros / ones), so that bias and norm-convention bugs change the outputs.
+    """
+    import transformers
+
+    model_cls = getattr(transformers, architecture)
+    torch.manual_seed(0)
+    model = model_cls(model_cls.config_class(**settings)).float().eval()
+    if perturb_zero_init:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_src / name).exists() and not (out / name).exists():
+            shutil.copy(tokenizer_src / name, out / name)
+    return out
+
+
 def make_tiny_llama(out: Path, tokenizer_src: Path, **overrides) -> Path:
     """A random LlamaForCausalLM with the SmolLM2 tokenizer, saved as a normal HF folder.
 
     The weights are drawn wider than HF's default init so that logits have clear margins:
     greedy comparisons then test the maths, not fp32 rounding between near-equal tokens.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    settings = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.2,
-    )
+    settings = dict(TINY_SETTINGS, num_key_value_heads=2, tie_word_embeddings=False)
     settings.update(overrides)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**settings)).float().eval()
-    model.save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_src / name).exists() and not (out / name).exists():
-            shutil.copy(tokenizer_src / name, out / name)
-    return out
+    return make_tiny_model(out, tokenizer_src, "LlamaForCausalLM", settings)
 
 
 @pytest.fixture(scope="session")
@@ -118,3 +142,57 @@ def serve_cluster():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+# Tiny random configs of the other families; each sets what makes that family differ.
+TINY_FAMILIES = {
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        dict(TINY_SETTINGS, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        # Layer 1 slides (window 8), layer 0 is global; head_dim != hidden / heads.
+        dict(
+            TINY_SETTINGS,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+        ),
+    ),
+    "mistral": (
+        "MistralForCausalLM",
+        dict(TINY_SETTINGS, num_key_value_heads=1, sliding_window=8, tie_word_embeddings=False),
+    ),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        dict(
+            TINY_SETTINGS,
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=8,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+            final_logit_softcapping=30.0,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            pad_token_id=0,
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_FAMILIES))
+def tiny_family_path(request, tmp_path_factory, default_model_path) -> Path:
+    """One tiny random checkpoint per family in TINY_FAMILIES (norms and biases perturbed)."""
+    architecture, settings = TINY_FAMILIES[request.param]
+    out = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    return make_tiny_model(out, default_model_path, architecture, settings, perturb_zero_init=True)

@@ -4,11 +4,16 @@ Cache layout, per layer, for keys and values alike: ``[num_kv_heads, num_blocks,
 head_dim]``. Keeping the head axis outermost means that gathering a batch's blocks yields
 ``[num_kv_heads, B, L, head_dim]`` directly, the layout the batched matmul wants, so the
 gathered keys are copied once and never transposed.
+
+Sliding-window layers (Mistral, Gemma 3 local layers) see only the last ``sliding_window``
+positions, their own included: query i sees key j iff ``i - sliding_window < j <= i``, as in
+transformers' sliding-window mask. The window is a mask only: every block of a sequence stays
+allocated and cached, so one block table serves sliding and global layers alike.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +42,24 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor  # [B * max_blocks] long, block tables flattened
     decode_masked: torch.Tensor  # [B, 1, L] bool: key j is NOT visible to sequence b
     prefills: list[PrefillSlice]
+    # [B] long: tokens in each decode's context, its own included; sliding-window layers
+    # derive their extra mask from it.
+    decode_context_lens: torch.Tensor | None = None
+    # sliding_window -> decode_masked plus the keys outside that window; built once per step.
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``decode_masked``, with keys older than the window masked too: [B, 1, L] bool."""
+        if sliding_window is None:
+            return self.decode_masked
+        mask = self._window_masks.get(sliding_window)
+        if mask is None:
+            assert self.decode_context_lens is not None, "sliding window needs context lengths"
+            key_pos = torch.arange(self.decode_masked.shape[-1], device=self.decode_masked.device)
+            first_visible = (self.decode_context_lens - sliding_window).unsqueeze(1)  # [B, 1]
+            mask = self.decode_masked | (key_pos.unsqueeze(0) < first_visible).unsqueeze(1)
+            self._window_masks[sliding_window] = mask
+        return mask
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
@@ -59,8 +82,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Writes this step's K/V into the cache and attends; returns [T, qh * d]."""
+    """Writes this step's K/V into the cache and attends; returns [T, qh * d].
+
+    ``softcap`` (Gemma) squashes the scaled scores into (-softcap, softcap) with
+    ``softcap * tanh(score / softcap)`` before the mask and softmax.
+    """
     write_kv(k_cache, meta.slot_mapping, k)
     write_kv(v_cache, meta.slot_mapping, v)
     num_tokens, num_heads, head_dim = q.shape
@@ -75,7 +104,9 @@ def paged_attention(
         # Query heads of one KV head form a group: [B, qh, d] -> [kvh, B, group, d].
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim).transpose(0, 1)
         scores = torch.matmul(qd, keys.transpose(-1, -2)) * scale  # [kvh, B, group, L]
-        scores.masked_fill_(meta.decode_masked, float("-inf"))
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores.masked_fill_(meta.decode_mask(sliding_window), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[:nd] = torch.matmul(probs, values).transpose(0, 1).reshape(nd, num_heads, head_dim)
 
@@ -85,18 +116,57 @@ def paged_attention(
         if p.start_pos == 0:
             kp = k[rows].transpose(0, 1).unsqueeze(0)  # [1, kvh, S, d]
             vp = v[rows].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
-            )
         else:
             ctx = p.start_pos + p.q_len
             kp = gather_kv(k_cache, p.block_ids, 1)[:, :, :ctx].transpose(0, 1)  # [1, kvh, C, d]
             vp = gather_kv(v_cache, p.block_ids, 1)[:, :, :ctx].transpose(0, 1)
-            # Query i sits at position start_pos + i and sees keys 0..start_pos + i.
-            qpos = torch.arange(p.start_pos, ctx, device=q.device).unsqueeze(1)
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [S, C]
+        mask = _prefill_mask(p, sliding_window, softcap is not None, q.device)
+        if softcap is None:
             o = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True
+                qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )
+        else:
+            assert mask is not None
+            o = _softcapped_attention(qp, kp, vp, mask, scale, softcap)
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _prefill_mask(
+    p: PrefillSlice, sliding_window: int | None, always: bool, device: torch.device
+) -> torch.Tensor | None:
+    """[S, C] bool, True where query i (at position start_pos + i) may see key j.
+
+    None when plain causal attention over the slice's own keys says the same (and ``always``
+    is False), so SDPA can take its ``is_causal`` path.
+    """
+    ctx = p.start_pos + p.q_len
+    fits = sliding_window is None or ctx <= sliding_window
+    if p.start_pos == 0 and fits and not always:
+        return None
+    qpos = torch.arange(p.start_pos, ctx, device=device).unsqueeze(1)  # [S, 1]
+    kpos = torch.arange(ctx, device=device).unsqueeze(0)  # [1, C]
+    mask = kpos <= qpos
+    if not fits:
+        assert sliding_window is not None
+        mask &= kpos > qpos - sliding_window
+    return mask
+
+
+def _softcapped_attention(
+    q: torch.Tensor,  # [1, qh, S, d]
+    k: torch.Tensor,  # [1, kvh, C, d]
+    v: torch.Tensor,  # [1, kvh, C, d]
+    mask: torch.Tensor,  # [S, C] bool, True = visible
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """SDPA cannot squash scores, so this one is spelled out; returns [1, qh, S, d]."""
+    _, num_heads, q_len, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    qg = q.view(num_kv_heads, num_heads // num_kv_heads, q_len, head_dim)  # [kvh, g, S, d]
+    scores = torch.matmul(qg, k[0].unsqueeze(1).transpose(-1, -2)) * scale  # [kvh, g, S, C]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v[0].unsqueeze(1)).view(1, num_heads, q_len, head_dim)

@@ -8,10 +8,18 @@ from typing import Any
 import torch
 
 
-def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+def rope_parameters(
+    hf_config: dict[str, Any], layer_type: str = "full_attention"
+) -> dict[str, Any]:
     """Rope settings from either config spelling: ``rope_parameters`` or ``rope_theta`` +
-    ``rope_scaling``."""
+    ``rope_scaling``.
+
+    Models whose layer types rotate differently (Gemma 3) nest ``rope_parameters`` by layer
+    type; ``layer_type`` picks one.
+    """
     params = dict(hf_config.get("rope_parameters") or {})
+    if layer_type in params:
+        params = dict(params[layer_type] or {})
     scaling = hf_config.get("rope_scaling") or {}
     params = {**scaling, **params}
     params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))

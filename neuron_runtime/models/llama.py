@@ -2,17 +2,21 @@
 
 Module names follow HF checkpoint keys. q/k/v and gate/up projections are stored fused
 (one GEMM instead of three or two), so ``load_weights`` maps each HF shard into its slice.
+
+Other families (Qwen2/3, Mistral, Gemma 3) subclass these modules: ``LlamaAttention`` takes a
+q/k/v bias option and has a ``rotate_qk`` hook (q/k norms) plus ``sliding_window`` and
+``softcap`` attributes; ``LlamaForCausalLM.build_model`` swaps in their attention or layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from neuron_runtime.layers.activation import activation
 from neuron_runtime.layers.attention import AttentionMetadata, paged_attention
 from neuron_runtime.layers.logits import LogitsHead
 from neuron_runtime.layers.norm import RMSNorm
@@ -22,7 +26,15 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    """Self-attention of one layer over the paged cache.
+
+    ``layer_idx`` lets families whose layers differ (sliding vs global) pick per layer;
+    ``qkv_bias`` overrides the config's ``attention_bias`` for q/k/v only (Qwen2).
+    """
+
+    def __init__(
+        self, cfg: dict[str, Any], layer_idx: int = 0, qkv_bias: bool | None = None
+    ) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
@@ -32,8 +44,11 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         bias = bool(cfg.get("attention_bias", False))
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+        self.sliding_window: int | None = None  # keys this many positions back are masked
+        self.softcap: float | None = None  # tanh cap on attention scores (Gemma)
 
     def forward(
         self,
@@ -45,34 +60,50 @@ class LlamaAttention(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
         # q and k heads are adjacent: rotate them in one call.
-        qk = apply_rotary(qkv[:, : heads + kv_heads], *rope)
+        qk = self.rotate_qk(qkv[:, : heads + kv_heads], rope)
         q, k = qk.split([heads, kv_heads], dim=1)
         v = qkv[:, heads + kv_heads :]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.softcap
+        )
         return self.o_proj(out)
+
+    def rotate_qk(
+        self,
+        qk: torch.Tensor,  # [T, qh + kvh, d]: q heads, then k heads
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Applies rotary positions to q and k; families with q/k norms override this."""
+        return apply_rotary(qk, *rope)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    """Gated MLP, ``down(act(gate(x)) * up(x))``; ``hidden_act`` defaults to the config's."""
+
+    def __init__(self, cfg: dict[str, Any], hidden_act: str | None = None) -> None:
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r} for Llama")
+        self.act_fn = activation(hidden_act or cfg.get("hidden_act", "silu"))
         self.intermediate_size = inter
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        layer_idx: int = 0,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+    ) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = attention_cls(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -94,11 +125,24 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+# (config, layer index, attention class) -> decoder layer
+LayerFactory = Callable[[dict[str, Any], int, type[LlamaAttention]], nn.Module]
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    """Embedding, decoder layers, final norm and the rotary tables they share."""
+
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+        layer_cls: LayerFactory = LlamaDecoderLayer,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(
+            layer_cls(cfg, i, attention_cls) for i in range(cfg["num_hidden_layers"])
+        )
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         self.rotary = RotaryEmbedding(
@@ -137,13 +181,17 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = self.build_model(cfg)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.logits_head = LogitsHead()
+
+    def build_model(self, cfg: dict[str, Any]) -> LlamaModel:
+        """The decoder stack; other families return theirs (another attention or layer)."""
+        return LlamaModel(cfg)
 
     def forward(
         self,
