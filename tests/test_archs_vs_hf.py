@@ -15,7 +15,7 @@ from conftest import TINY_FAMILIES, make_tiny_model
 from test_llama_vs_hf import hf_greedy, hf_model
 
 from neuron_runtime import LLM, SamplingParams
-from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice, _prefill_mask
+from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice, prefill_mask
 from neuron_runtime.loader import load_hf_config, load_model
 from neuron_runtime.model_store import ASSEMBLED_ALIASES, resolve_model
 from neuron_runtime.models.registry import model_class
@@ -140,7 +140,7 @@ def test_sliding_window_mask_matches_transformers(window):
     # Prefill slices starting at every offset, one query row per position of the slice.
     for start in range(ctx):
         slice_ = PrefillSlice(0, ctx - start, start, torch.arange(4))
-        mask = _prefill_mask(slice_, window, True, torch.device("cpu"))
+        mask = prefill_mask(slice_, window, True, torch.device("cpu"))
         assert torch.equal(mask, expected[start:]), start
     # Decodes: one query per sequence at position context_len - 1, keys padded to 16.
     context_lens = torch.arange(1, ctx + 1)

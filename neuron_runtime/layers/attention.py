@@ -46,7 +46,7 @@ class AttentionMetadata:
     # derive their extra mask from it.
     decode_context_lens: torch.Tensor | None = None
     # sliding_window -> decode_masked plus the keys outside that window; built once per step.
-    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         """``decode_masked``, with keys older than the window masked too: [B, 1, L] bool."""
@@ -120,7 +120,7 @@ def paged_attention(
             ctx = p.start_pos + p.q_len
             kp = gather_kv(k_cache, p.block_ids, 1)[:, :, :ctx].transpose(0, 1)  # [1, kvh, C, d]
             vp = gather_kv(v_cache, p.block_ids, 1)[:, :, :ctx].transpose(0, 1)
-        mask = _prefill_mask(p, sliding_window, softcap is not None, q.device)
+        mask = prefill_mask(p, sliding_window, softcap is not None, q.device)
         if softcap is None:
             o = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
@@ -132,7 +132,7 @@ def paged_attention(
     return out.view(num_tokens, num_heads * head_dim)
 
 
-def _prefill_mask(
+def prefill_mask(
     p: PrefillSlice, sliding_window: int | None, always: bool, device: torch.device
 ) -> torch.Tensor | None:
     """[S, C] bool, True where query i (at position start_pos + i) may see key j.

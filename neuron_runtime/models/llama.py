@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
         qkv_bias = bias if qkv_bias is None else qkv_bias
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
-        self.sliding_window: int | None = None  # keys this many positions back are masked
+        self.sliding_window: int | None = None  # sees only the last this-many positions
         self.softcap: float | None = None  # tanh cap on attention scores (Gemma)
 
     def forward(
