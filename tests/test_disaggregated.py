@@ -336,9 +336,24 @@ def test_client_disconnect_while_prefilling_frees_every_replica(pd_server):
     wait_idle("pd", 2)
 
 
+def tiny_pd_args(model_path: Path, **disaggregation):  # noqa: ANN201 - app.builder.BuildArgs
+    """A disaggregated app over the tiny random-weight Llama, served as "tiny"."""
+    from app.builder import BuildArgs
+
+    return BuildArgs(
+        mode="disaggregated",
+        model=str(model_path),
+        served_model_name="tiny",
+        max_model_len=MAX_MODEL_LEN,
+        embedding_model=None,
+        engine_args={"num_kv_blocks": 256},
+        disaggregation=disaggregation,
+    )
+
+
 @pytest.fixture(scope="module")
 def fault_server(serve_cluster, tiny_llama_path, tmp_path_factory):
-    from app.builder import BuildArgs, build_openai_app
+    from app.builder import build_openai_app
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     marker = tmp_path_factory.mktemp("faults") / "die-once"
@@ -350,14 +365,7 @@ def fault_server(serve_cluster, tiny_llama_path, tmp_path_factory):
         }
     }
     app = build_openai_app(
-        BuildArgs(
-            mode="disaggregated",
-            model=str(tiny_llama_path),
-            served_model_name="tiny",
-            max_model_len=MAX_MODEL_LEN,
-            embedding_model=None,
-            engine_args={"num_kv_blocks": 256},
-        ),
+        tiny_pd_args(tiny_llama_path),
         llm_engine_cls=DieOnceEngine,
         prefill_options={"num_replicas": 2, **env},
         decode_options={**small, "health_check_period_s": 1, "health_check_timeout_s": 5},
@@ -439,19 +447,11 @@ def test_decode_replica_killed_mid_stream_ends_with_error_and_done(fault_server)
 
 @pytest.fixture(scope="module")
 def gloo_server(serve_cluster, tiny_llama_path):
-    from app.builder import BuildArgs, DisaggregationArgs, build_openai_app
+    from app.builder import build_openai_app
 
     small = {"ray_actor_options": {"num_cpus": 0.05}}
     app = build_openai_app(
-        BuildArgs(
-            mode="disaggregated",
-            model=str(tiny_llama_path),
-            served_model_name="tiny",
-            max_model_len=MAX_MODEL_LEN,
-            embedding_model=None,
-            engine_args={"num_kv_blocks": 256},
-            disaggregation=DisaggregationArgs(kv_transport="gloo", kv_outbox_timeout_s=3),
-        ),
+        tiny_pd_args(tiny_llama_path, kv_transport="gloo", kv_outbox_timeout_s=3),
         prefill_options={"num_replicas": 2, **small},
         decode_options=small,
         ingress_options=small,
