@@ -37,6 +37,9 @@ from router.streams import merge
 
 logger = logging.getLogger("ray.serve")
 
+# How long an engine replica's last stats snapshot is kept without a newer one.
+STATS_TTL_S = 300.0
+
 # A replica that died or became unreachable mid-call; the request may be retried elsewhere.
 REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
 
@@ -132,8 +135,14 @@ class PDRouter:
         raise AssertionError("unreachable")
 
     def _note(self, stats: dict[str, Any] | None) -> None:
-        if stats:
-            self.replica_stats[str(stats.get("replica_id"))] = {**stats, "seen_at": time.time()}
+        if not stats:
+            return
+        now = time.time()
+        self.replica_stats[str(stats.get("replica_id"))] = {**stats, "seen_at": now}
+        # Replicas replaced or scaled away stop reporting: forget them after a while.
+        for replica_id, seen in list(self.replica_stats.items()):
+            if now - seen["seen_at"] > STATS_TTL_S:
+                del self.replica_stats[replica_id]
 
     def stats(self) -> list[dict[str, Any]]:
         """The latest load snapshot of every engine replica this router has heard from, and
