@@ -62,5 +62,11 @@ serve-colocated: model
 bench-serve: model
 	$(PY) bench/serve.py --num-requests 16 --concurrency 4
 
+# Colocated vs disaggregated apps side by side on one local cluster, then prefix affinity.
+bench-pd: model
+	$(PY) bench/serve.py --start-server --num-requests 12 --concurrency 4 --input-len 128 \
+		--output-len 32 --rounds 2 --json bench/results/serve_pd.json
+	$(PY) bench/prefix_affinity.py --groups 4 --per-group 6 --rounds 2
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
