@@ -15,8 +15,9 @@ class RMSNorm(torch.nn.Module):
         return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual)."""
-        residual = x + residual
+        """Returns (norm(x + residual), x + residual); the first layer has no residual yet:
+        (norm(x), x)."""
+        residual = x if residual is None else x + residual
         return self(residual), residual

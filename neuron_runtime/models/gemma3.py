@@ -96,11 +96,7 @@ class Gemma3DecoderLayer(torch.nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Same contract as LlamaDecoderLayer: the caller adds the returned x to the residual.
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta))
         x, residual = self.pre_feedforward_layernorm.add_and_norm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
@@ -134,7 +130,6 @@ class Gemma3Model(LlamaModel):
         for layer, sliding, kv_cache in zip(self.layers, self.sliding, kv_caches, strict=True):
             rope = local_rope if sliding else global_rope
             x, residual = layer(x, residual, rope, kv_cache, meta)
-        assert residual is not None
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 

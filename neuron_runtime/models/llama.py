@@ -115,11 +115,7 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.self_attn(x, rope, kv_cache, meta)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
@@ -161,7 +157,6 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rope, kv_cache, meta)
-        assert residual is not None
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 
