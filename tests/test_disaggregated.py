@@ -217,16 +217,16 @@ def test_bad_parameters_are_400_through_the_router(pd_server):
     wait_idle("pd", 2)
 
 
-def test_prefix_affinity_keeps_shared_system_prompts_on_one_replica(pd_server):
+def test_prefix_affinity_keeps_shared_system_prompts_on_one_replica(pd_server, offline):
     """Requests sharing a system prompt go to the prefill replica that cached it, so every
     request after the first of its group hits the whole shared prefix (full blocks)."""
     metrics_url = f"{pd_server}/pd/metrics"
     before = httpx.get(metrics_url, timeout=30).text
     pd = client(pd_server, "/pd")
-    tokenizer = LLMTokenizer.get()
+    tokenizer = offline.get_tokenizer()
     expected_hits = 0
     for system in SYSTEM_PROMPTS:
-        shared = tokenizer.shared_prefix_len(system, QUESTIONS)
+        shared = shared_prefix_len(tokenizer, system, QUESTIONS)
         expected_hits += (len(QUESTIONS) - 1) * (shared // 16) * 16
         for question in QUESTIONS:
             pd.chat.completions.create(
@@ -250,34 +250,18 @@ def test_prefix_affinity_keeps_shared_system_prompts_on_one_replica(pd_server):
     assert hits >= expected_hits > 0
 
 
-class LLMTokenizer:
-    """The default model's tokenizer and chat template, loaded once."""
-
-    _instance = None
-
-    def __init__(self) -> None:
-        from neuron_runtime.model_store import resolve_model
-        from neuron_runtime.tokenizer import Tokenizer
-
-        self.tokenizer = Tokenizer(resolve_model(MODEL))
-
-    @classmethod
-    def get(cls) -> LLMTokenizer:
-        if cls._instance is None:
-            cls._instance = cls()
-        return cls._instance
-
-    def shared_prefix_len(self, system: str, questions: list[str]) -> int:
-        ids = [
-            self.tokenizer.encode_chat(
-                [{"role": "system", "content": system}, {"role": "user", "content": q}]
-            )
-            for q in questions
-        ]
-        n = 0
-        while all(len(x) > n and x[n] == ids[0][n] for x in ids):
-            n += 1
-        return n
+def shared_prefix_len(tokenizer, system: str, questions: list[str]) -> int:  # noqa: ANN001
+    """How many leading chat-template tokens the chats (system + each question) share."""
+    ids = [
+        tokenizer.encode_chat(
+            [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        )
+        for q in questions
+    ]
+    n = 0
+    while all(len(x) > n and x[n] == ids[0][n] for x in ids):
+        n += 1
+    return n
 
 
 def test_kv_transfer_metrics_are_exported(pd_server):
