@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 
-.PHONY: install model test test-fast lint bench serve serve-colocated bench-serve bench-pd clean
+.PHONY: install model test test-fast lint bench serve serve-colocated serve-epd bench-serve bench-pd clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,10 @@ serve: model
 # The colocated baseline: one LLMServer deployment instead of router, prefill and decode.
 serve-colocated: model
 	$(VENV)/bin/serve run configs/serve/colocated.yaml
+
+# Image chats: encode -> prefill -> decode on the tiny random-weight LLaVA.
+serve-epd: model
+	$(VENV)/bin/serve run configs/serve/epd.yaml
 
 # Load against a running `make serve` (127.0.0.1:8000) and the engine in-process, side by side.
 bench-serve: model

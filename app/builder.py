@@ -20,7 +20,10 @@ from deployments.embedding import EmbeddingServer
 from deployments.kv_transport import KVTransportConfig, TransportName
 from deployments.llm_server import LLMServer
 from deployments.prefill import PrefillServer
+from deployments.vision_encoder import VisionEncoderServer
 from neuron_runtime.engine_args import EngineArgs
+from neuron_runtime.loader import load_hf_config
+from neuron_runtime.model_store import resolve_model
 from router.pd_router import PDRouter
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -54,6 +57,37 @@ class DisaggregationArgs(BaseModel):
     routing_stats_period_s: float = Field(1.0, gt=0)
 
 
+class MultimodalArgs(BaseModel):
+    """Images: where they are encoded, and what the edge accepts (models with a vision tower)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # "separate": VisionEncoder replicas (encode -> prefill -> decode; disaggregated mode only);
+    # "inline": the engine replica runs its own vision tower; "auto": separate when
+    # disaggregated, inline when colocated.
+    encoder: Literal["auto", "separate", "inline"] = "auto"
+    encoder_cache_mib: int = Field(256, ge=0)
+    encoder_max_batch_size: int = Field(8, ge=1)
+    encoder_batch_wait_timeout_s: float = Field(0.005, ge=0)
+    max_image_bytes: int = Field(10 << 20, ge=1024)
+    max_pixels: int = Field(4096 * 4096, ge=1)
+    max_side: int = Field(8192, ge=1)
+    max_images_per_request: int = Field(8, ge=0)
+    fetch_timeout_s: float = Field(10.0, gt=0)
+    # http(s) image URLs are refused unless their host is listed here (or a subdomain of one).
+    allowed_domains: list[str] = Field(default_factory=list)
+
+    def image_limits(self) -> dict[str, Any]:
+        return {
+            "max_image_bytes": self.max_image_bytes,
+            "max_pixels": self.max_pixels,
+            "max_side": self.max_side,
+            "max_images_per_request": self.max_images_per_request,
+            "fetch_timeout_s": self.fetch_timeout_s,
+            "allowed_domains": list(self.allowed_domains),
+        }
+
+
 class BuildArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -61,6 +95,7 @@ class BuildArgs(BaseModel):
     # PDRouter in front of PrefillServer and DecodeServer deployments.
     mode: Literal["colocated", "disaggregated"] = "colocated"
     disaggregation: DisaggregationArgs = Field(default_factory=DisaggregationArgs)
+    multimodal: MultimodalArgs = Field(default_factory=MultimodalArgs)
 
     model: str = "smollm2-135m-instruct"
     served_model_name: str | None = None
@@ -86,6 +121,15 @@ class BuildArgs(BaseModel):
             raise ValueError(f"set {sorted(reserved)} at the top level, not in engine_args")
         return value
 
+    def separate_encoder(self) -> bool:
+        """Whether images go to VisionEncoder replicas (only for a model with a vision tower)."""
+        mode = self.multimodal.encoder
+        if mode == "separate" and self.mode != "disaggregated":
+            raise ValueError("multimodal.encoder 'separate' needs mode 'disaggregated'")
+        if mode == "inline" or (mode == "auto" and self.mode != "disaggregated"):
+            return False
+        return has_vision_tower(self.model)
+
     def full_engine_args(self) -> dict[str, Any]:
         return {
             **self.engine_args,
@@ -107,11 +151,12 @@ def build_openai_app(
     ingress_options: dict[str, Any] | None = None,
     prefill_options: dict[str, Any] | None = None,
     decode_options: dict[str, Any] | None = None,
+    encoder_options: dict[str, Any] | None = None,
 ) -> Application:
     """The application, with hooks for tests: a fake engine class and deployment options."""
     engine_args = args.full_engine_args()
     if args.mode == "disaggregated":
-        llm = _disaggregated(args, llm_engine_cls, prefill_options, decode_options)
+        llm = _disaggregated(args, llm_engine_cls, prefill_options, decode_options, encoder_options)
     else:
         llm = LLMServer.options(**(llm_options or {})).bind(
             engine_args, llm_engine_cls, args.health_stall_timeout_s
@@ -125,6 +170,7 @@ def build_openai_app(
         "max_body_bytes": args.max_body_bytes,
         "max_n": args.max_n,
         "max_prompts": args.max_prompts,
+        "image_limits": args.multimodal.image_limits(),
     }
     return OpenAIIngress.options(**(ingress_options or {})).bind(llm, embedder, config)
 
@@ -134,8 +180,10 @@ def _disaggregated(
     engine_cls: type | None,
     prefill_options: dict[str, Any] | None,
     decode_options: dict[str, Any] | None,
+    encoder_options: dict[str, Any] | None,
 ) -> Any:
-    """PDRouter -> PrefillServer (prefix-affinity routed) and DecodeServer (KV-capacity routed)."""
+    """PDRouter -> PrefillServer (prefix-affinity routed) and DecodeServer (KV-capacity
+    routed), and VisionEncoder replicas (rendezvous routed) for a model with a vision tower."""
     engine_args = args.full_engine_args()
     pd = args.disaggregation
     transport = KVTransportConfig(
@@ -170,4 +218,23 @@ def _disaggregated(
         pd.on_kv_failure,
         transport,
     )
-    return PDRouter.bind(prefill, decode, pd.prefill_retries)
+    encoder = None
+    if args.separate_encoder():
+        mm = args.multimodal
+        encoder = VisionEncoderServer.options(
+            request_router_config=RequestRouterConfig(
+                request_router_class="router.request_routers:RendezvousRouter"
+            ),
+            **(encoder_options or {}),
+        ).bind(
+            args.model,
+            mm.encoder_cache_mib,
+            mm.encoder_max_batch_size,
+            mm.encoder_batch_wait_timeout_s,
+            mm.max_pixels,
+        )
+    return PDRouter.bind(prefill, decode, pd.prefill_retries, encoder)
+
+
+def has_vision_tower(model: str) -> bool:
+    return "vision_config" in load_hf_config(resolve_model(model))

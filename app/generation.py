@@ -135,4 +135,6 @@ class Generation:
                 self.timer.metrics.observe_kv_transfer(
                     transfer.transport, transfer.stage, transfer.num_bytes, transfer.seconds
                 )
+        for encode in step.image_encodes or ():
+            self.timer.metrics.observe_image_encode(encode)
         self.timer.metrics.update_engine_stats(step.stats)

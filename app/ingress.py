@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.errors import OpenAIError, install_handlers, sse_error
 from app.generation import Generation, PromptStream
+from app.images import ImageData, ImageLimits, check_image_count, load_image_url
 from app.metrics import RequestTimer, ServingMetrics
 from app.middleware import EdgeMiddleware
 from app.protocol import (
@@ -40,8 +41,9 @@ from app.protocol import (
 )
 from app.sampling import Limits, check_prompt_ids, sampling_fields, stop_strings
 from app.text import SequenceText, chat_logprobs, completion_logprobs
-from deployments.protocol import GenerateRequest
+from deployments.protocol import GenerateRequest, ImagePart
 from neuron_runtime.engine_args import EngineArgs
+from neuron_runtime.multimodal import expand_image_tokens, vision_spec
 from neuron_runtime.tokenizer import Tokenizer
 
 
@@ -56,6 +58,8 @@ class IngressConfig:
     max_prompts: int = 16
     max_embedding_inputs: int = 128
     retry_after_s: int = 1
+    # ImageLimits fields (app/images.py): caps on image bytes, pixels and count, remote URLs.
+    image_limits: dict[str, Any] = field(default_factory=dict)
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0.25})
@@ -76,6 +80,10 @@ class OpenAIIngress:
             max_n=self.config.max_n,
             max_prompts=self.config.max_prompts,
         )
+        self.vision = vision_spec(engine_config.model.hf_config)  # None: a text-only model
+        limits = dict(self.config.image_limits)
+        limits["allowed_domains"] = tuple(limits.get("allowed_domains", ()))
+        self.image_limits = ImageLimits(**limits)
         self.metrics = ServingMetrics(self.config.served_model_name)
         self.created = int(time.time())
 
@@ -86,9 +94,9 @@ class OpenAIIngress:
 
     async def chat(self, request: ChatCompletionRequest, request_id: str) -> Response:
         self._check_model(request.model)
-        prompt_ids = self._encode_chat(request.messages)
+        prompt_ids, images = await self._encode_chat(request.messages)
         check_prompt_ids(prompt_ids, self.limits, "messages")
-        generation = await self._start(request, [prompt_ids], f"chatcmpl-{request_id}")
+        generation = await self._start(request, [prompt_ids], f"chatcmpl-{request_id}", images)
         if request.stream:
             return _sse(self._chat_stream(request, generation, f"chatcmpl-{request_id}"))
         num_top = request.top_logprobs or 0
@@ -152,6 +160,7 @@ class OpenAIIngress:
         request: ChatCompletionRequest | CompletionRequest,
         prompts: list[list[int]],
         engine_id: str,
+        images: list[ImagePart] | None = None,
     ) -> Generation:
         """Validates, opens one engine stream per prompt and waits for each first step, so
         that rejections (400, 503) still get a proper status code."""
@@ -173,7 +182,9 @@ class OpenAIIngress:
         ]
         timer = RequestTimer(self.metrics)
         tasks = [
-            asyncio.create_task(self._open(GenerateRequest(f"{engine_id}-{i}", ids, f)))
+            asyncio.create_task(
+                self._open(GenerateRequest(f"{engine_id}-{i}", ids, f, list(images or [])))
+            )
             for i, (ids, f) in enumerate(zip(prompts, fields, strict=True))
         ]
         try:
@@ -310,31 +321,77 @@ class OpenAIIngress:
 
     # -- prompts ----------------------------------------------------------------------------
 
-    def _encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        conversation = []
+    async def _encode_chat(self, messages: list[ChatMessage]) -> tuple[list[int], list[ImagePart]]:
+        """The chat's prompt ids (image placeholders expanded) and its images, checked at the
+        edge (app/images.py) before anything is queued."""
+        conversation: list[dict[str, Any]] = []
+        pending: list[tuple[str, str]] = []  # (url, param) in prompt order
         for index, message in enumerate(messages):
-            content = message.content
+            content: Any = message.content
             if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                parts: list[dict[str, Any]] = []
+                for j, part in enumerate(content):
+                    param = f"messages[{index}].content[{j}]"
+                    kind = part.get("type")
+                    if kind == "text" and isinstance(part.get("text"), str):
+                        parts.append({"type": "text", "text": part["text"]})
+                    elif kind == "image_url" and self.vision is not None:
+                        url = (part.get("image_url") or {}).get("url")
+                        if not isinstance(url, str):
+                            raise OpenAIError(400, f"{param}.image_url.url must be a string", param)
+                        pending.append((url, f"{param}.image_url"))
+                        parts.append({"type": "image"})
+                    elif kind == "image_url":
+                        raise OpenAIError(400, f"{param}: this model does not accept images", param)
+                    else:
                         raise OpenAIError(
-                            400,
-                            f"messages.{index}.content: only text parts are supported by this "
-                            f"model, got type {part.get('type')!r}",
-                            param="messages",
+                            400, f"{param}: unsupported content part type {kind!r}", param
                         )
-                    texts.append(part["text"])
-                content = "\n".join(texts)
+                # Text-only lists render as one string: every chat template takes that.
+                if all(p["type"] == "text" for p in parts):
+                    content = "\n".join(p["text"] for p in parts)
+                else:
+                    content = parts
             conversation.append({"role": message.role, "content": content or ""})
+        check_image_count(len(pending), self.image_limits, "messages")
+        images = await asyncio.gather(
+            *(load_image_url(url, self.image_limits, param) for url, param in pending)
+        )
         try:
-            return self.tokenizer.encode_chat(conversation)
+            ids = self.tokenizer.encode_chat(conversation)
         except UnicodeError as exc:
             raise OpenAIError(400, f"messages hold invalid text: {exc}", "messages") from exc
         except Exception as exc:  # jinja errors: roles the template refuses, and the like
             raise OpenAIError(
                 400, f"the chat template rejected the messages: {exc}", "messages"
             ) from exc
+        if self.vision is None:
+            return ids, []
+        return self._place_images(ids, list(images))
+
+    def _place_images(
+        self, ids: list[int], images: list[ImageData]
+    ) -> tuple[list[int], list[ImagePart]]:
+        assert self.vision is not None
+        try:
+            ids, spans = expand_image_tokens(
+                ids, self.vision.image_token_id, self.vision.tokens_per_image
+            )
+        except ValueError as exc:
+            raise OpenAIError(400, f"messages: {exc}", "messages") from exc
+        if len(spans) != len(images):
+            # Text that spells the image token, or a template that drops image parts.
+            raise OpenAIError(
+                400,
+                f"messages: the prompt holds {len(spans)} image placeholders for "
+                f"{len(images)} images",
+                "messages",
+            )
+        parts = [
+            ImagePart(offset, length, image.content_hash, data=image.data)
+            for (offset, length), image in zip(spans, images, strict=True)
+        ]
+        return ids, parts
 
     def _encode_prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]]
@@ -447,12 +504,12 @@ class OpenAIIngress:
             )
         return {"object": "list", "data": data}
 
-    def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         self._check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
         if request.messages is not None:
-            ids = self._encode_chat(request.messages)
+            ids, _ = await self._encode_chat(request.messages)
         else:
             try:
                 ids = self.tokenizer.encode(request.prompt or "", request.add_special_tokens)
@@ -513,7 +570,7 @@ def build_fastapi(ingress: OpenAIIngress) -> FastAPI:
 
     @api.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
-        return ingress.tokenize(request)
+        return await ingress.tokenize(request)
 
     @api.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from deployments.protocol import EncodeResult
+
 LATENCY_BUCKETS = (
     0.001,
     0.005,
@@ -139,6 +141,32 @@ class ServingMetrics:
             labels,
             registry=r,
         ).labels(model_name)
+        self.encoder_queue_time = Histogram(
+            "neuron:encoder_queue_time_seconds",
+            "Time an image waited for a vision encoder batch",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.encode_time = Histogram(
+            "neuron:encode_time_seconds",
+            "Vision encoder batch time (preprocess, tower, projector) of an encoded image",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.mm_cache_queries = Counter(
+            "vllm:mm_cache_queries", "Images looked up in the encoders' caches", labels, registry=r
+        ).labels(model_name)
+        self.mm_cache_hits = Counter(
+            "vllm:mm_cache_hits", "Images found in the encoders' caches", labels, registry=r
+        ).labels(model_name)
+        self.mm_embedding_bytes = Counter(
+            "neuron:mm_embedding_bytes",
+            "Image embedding bytes handed from encoders to prefill replicas",
+            labels,
+            registry=r,
+        ).labels(model_name)
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds",
             "Time waiting before the engine scheduled it",
@@ -158,6 +186,16 @@ class ServingMetrics:
         self.kv_transfer_seconds.labels(self.model_name, transport, stage).observe(seconds)
         if stage == "import":
             self.kv_transfer_bytes.labels(self.model_name, transport).inc(num_bytes)
+
+    def observe_image_encode(self, result: EncodeResult) -> None:
+        """What one image of a request cost the vision encoders."""
+        self.mm_cache_queries.inc()
+        if result.cache_hit:
+            self.mm_cache_hits.inc()
+        else:
+            self.encoder_queue_time.observe(result.queue_seconds)
+            self.encode_time.observe(result.encode_seconds)
+        self.mm_embedding_bytes.inc(result.num_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from ray import serve
 
-from deployments.engine_replica import EngineReplica, to_step_output
+from deployments.engine_replica import EngineReplica, image_inputs, to_step_output
 from deployments.kv_transport import KVTransportConfig, make_transport
 from deployments.protocol import DecodeRequest, KVTransferInfo, StepOutput
 from neuron_runtime import RequestOutputKind, SamplingParams
@@ -57,9 +57,15 @@ class DecodeServer(EngineReplica):
         handoff = KVHandoff(payload, [request.output_token_ids], [request.generator_state])
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
+        images = await image_inputs(request.images)
         first = True
         async for out in self.engine.generate(
-            prompt, params, request.request_id, kind=RequestOutputKind.DELTA, handoff=handoff
+            prompt,
+            params,
+            request.request_id,
+            kind=RequestOutputKind.DELTA,
+            handoff=handoff,
+            **images,
         ):
             step = to_step_output(out)
             if first:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Any
@@ -10,8 +11,9 @@ import torch
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from deployments.protocol import SeqDelta, StepOutput
+from deployments.protocol import ImagePart, SeqDelta, StepOutput
 from neuron_runtime import AsyncEngine, EngineArgs
+from neuron_runtime.multimodal import MultiModalInput
 from neuron_runtime.outputs import RequestOutput
 
 
@@ -55,6 +57,30 @@ class EngineReplica:
             "kv_total_blocks": stats.num_kv_blocks_total,
             "block_size": self.block_size,
         }
+
+
+async def image_inputs(images: list[ImagePart]) -> dict[str, list[MultiModalInput]]:
+    """The engine's keyword arguments for a request's images (none for a text prompt).
+
+    Features computed by a vision encoder replica are read from the object store (zero-copy
+    numpy); images that came as bytes are encoded by the engine's own vision tower.
+    """
+    if not images:
+        return {}
+    refs = [part.features for part in images if part.features is not None]
+    features = iter(await asyncio.gather(*refs))
+    return {
+        "mm_inputs": [
+            MultiModalInput(
+                part.offset,
+                part.length,
+                part.content_hash,
+                features=None if part.features is None else next(features),
+                image=part.data if part.features is None else None,
+            )
+            for part in images
+        ]
+    }
 
 
 def to_step_output(out: RequestOutput, with_queue_time: bool = False) -> StepOutput:

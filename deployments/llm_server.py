@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from deployments.engine_replica import EngineReplica, to_step_output
+from deployments.engine_replica import EngineReplica, image_inputs, to_step_output
 from deployments.protocol import GenerateRequest, StepOutput
 from neuron_runtime import RequestOutputKind, SamplingParams
 
@@ -33,9 +33,10 @@ class LLMServer(EngineReplica):
         """
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
+        images = await image_inputs(request.images)
         first = True
         async for out in self.engine.generate(
-            prompt, params, request.request_id, kind=RequestOutputKind.DELTA
+            prompt, params, request.request_id, kind=RequestOutputKind.DELTA, **images
         ):
             step = to_step_output(out, with_queue_time=first)
             first = False

@@ -16,7 +16,7 @@ from typing import Any
 
 from ray import serve
 
-from deployments.engine_replica import EngineReplica, to_step_output
+from deployments.engine_replica import EngineReplica, image_inputs, to_step_output
 from deployments.kv_transport import KVTransportConfig, make_transport
 from deployments.protocol import GenerateRequest, KVTransferInfo, PrefillResult
 from neuron_runtime import RequestOutputKind, SamplingParams
@@ -44,9 +44,15 @@ class PrefillServer(EngineReplica):
         """Runs the prompt; ValueError (invalid prompt or params) reaches the caller."""
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
+        images = await image_inputs(request.images)
         final = None
         async for out in self.engine.generate(
-            prompt, params, request.request_id, kind=RequestOutputKind.FINAL_ONLY, export_kv=True
+            prompt,
+            params,
+            request.request_id,
+            kind=RequestOutputKind.FINAL_ONLY,
+            export_kv=True,
+            **images,
         ):
             final = out
         assert final is not None and final.finished

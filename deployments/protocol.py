@@ -1,6 +1,6 @@
 """Plain data that crosses the Ray boundaries between ingress, router and engine deployments.
 
-Only ints, floats, strings, lists of them, numpy arrays, frozen dataclasses of those and object
+Only ints, floats, strings, bytes, lists of them, numpy arrays, dataclasses of those and object
 refs: no torch tensors, no live engine objects.
 """
 
@@ -10,8 +10,47 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from ray import ObjectRef
 
 from deployments.kv_transport import KVTicket
+
+
+@dataclass
+class ImagePart:
+    """One image of a prompt: where its placeholder tokens are, and the image itself.
+
+    Exactly one of ``data`` and ``features`` is set: the encoded image bytes (the engine replica
+    runs its own vision tower on them) or an object ref to ``ImageFeatures`` computed by a
+    VisionEncoder replica (the router puts it there; the engine replica reads it zero-copy).
+    """
+
+    offset: int  # first placeholder position in the prompt's token ids
+    length: int  # number of placeholder tokens
+    content_hash: str  # sha256 of the image bytes: the encoder cache and prefix cache key
+    data: bytes | None = None
+    features: ObjectRef | None = None
+
+
+@dataclass
+class EncodeRequest:
+    """One image for a VisionEncoder replica (routed by rendezvous hash of content_hash)."""
+
+    content_hash: str
+    data: bytes
+
+
+@dataclass
+class EncodeResult:
+    """A VisionEncoder replica's answer: a ref to the ``ImageFeatures`` (owned by that replica,
+    kept in its cache), and what encoding it cost."""
+
+    content_hash: str
+    features: ObjectRef
+    num_bytes: int  # size of the embeddings
+    cache_hit: bool
+    queue_seconds: float  # waiting for a batch slot (0 on a cache hit)
+    encode_seconds: float  # the batch's preprocess + vision tower + projector (0 on a hit)
+    replica_id: str = ""
 
 
 @dataclass
@@ -21,6 +60,7 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
+    images: list[ImagePart] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +91,8 @@ class StepOutput:
     # Disaggregated serving: on the prefill output, how long handing the KV over took; on
     # the first decode output, how the KV arrived.
     kv_transfer: KVTransferInfo | None = None
+    # Multimodal serving, on the first output: what encoding the request's images cost.
+    image_encodes: list[EncodeResult] | None = None
 
 
 @dataclass
@@ -87,3 +129,4 @@ class DecodeRequest:
     kv_ticket: KVTicket | None = None  # None means recompute the prompt
     num_kv_bytes: int = 0
     generator_state: np.ndarray | None = None
+    images: list[ImagePart] = field(default_factory=list)  # for a recompute of the prompt

@@ -16,6 +16,8 @@ gets seed + i, as in the engine) whose streams are merged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -33,6 +35,7 @@ from deployments.protocol import (
     SeqDelta,
     StepOutput,
 )
+from router.encoder_router import EncoderRouter
 from router.streams import merge
 
 logger = logging.getLogger("ray.serve")
@@ -53,9 +56,16 @@ def child_sampling(sampling: dict[str, Any], index: int) -> dict[str, Any]:
 @serve.deployment(name="PDRouter", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
 class PDRouter:
     def __init__(
-        self, prefill: DeploymentHandle, decode: DeploymentHandle, prefill_retries: int = 1
+        self,
+        prefill: DeploymentHandle,
+        decode: DeploymentHandle,
+        prefill_retries: int = 1,
+        encoder: DeploymentHandle | None = None,
     ) -> None:
         self.prefill = prefill
+        # Images go to vision encoder replicas first; without them the prefill replica
+        # encodes a request's images itself.
+        self.encoder = None if encoder is None else EncoderRouter(encoder)
         self.decode_unary = decode
         self.decode = decode.options(stream=True)
         self.prefill_retries = prefill_retries
@@ -68,24 +78,32 @@ class PDRouter:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
         """Streams the request's StepOutputs; errors propagate like LLMServer's."""
+        encodes = None
+        if request.images and self.encoder is not None:
+            images, encodes = await self.encoder.encode(request.images)
+            request = dataclasses.replace(request, images=images)
         n = int(request.sampling.get("n") or 1)
         if n == 1:
-            async for step in self._pipeline(request):
+            steps = self._pipeline(request)
+        else:
+            children = [
+                self._pipeline(
+                    GenerateRequest(
+                        f"{request.request_id}#{i}",
+                        request.prompt_token_ids,
+                        child_sampling(request.sampling, i),
+                        request.images,
+                    ),
+                    index=i,
+                )
+                for i in range(n)
+            ]
+            steps = _merged(children)
+        async with contextlib.aclosing(steps):
+            async for step in steps:
+                if encodes:
+                    step.image_encodes, encodes = encodes, None
                 yield step
-            return
-        children = [
-            self._pipeline(
-                GenerateRequest(
-                    f"{request.request_id}#{i}",
-                    request.prompt_token_ids,
-                    child_sampling(request.sampling, i),
-                ),
-                index=i,
-            )
-            for i in range(n)
-        ]
-        async for _, step in merge(children):
-            yield step
 
     async def _pipeline(
         self, request: GenerateRequest, index: int = 0
@@ -103,6 +121,7 @@ class PDRouter:
             kv_ticket=result.kv_ticket,
             num_kv_bytes=result.num_kv_bytes,
             generator_state=result.generator_state,
+            images=request.images,
         )
         del result
         self.num_kv_refs_held += 1
@@ -151,11 +170,20 @@ class PDRouter:
         return [*self.replica_stats.values(), own]
 
     async def check_health(self) -> None:
-        """Healthy when a prefill and a decode replica answer their health probe."""
-        await asyncio.gather(
+        """Healthy when a prefill and a decode replica (and an encoder) answer their probe."""
+        probes = [
             self.prefill.check_health.remote(),
             self.decode.options(stream=False).check_health.remote(),
-        )
+        ]
+        if self.encoder is not None:
+            probes.append(self.encoder.encoder.check_health.remote())
+        await asyncio.gather(*probes)
+
+
+async def _merged(children: list[AsyncIterator[StepOutput]]) -> AsyncIterator[StepOutput]:
+    async with contextlib.aclosing(merge(children)) as merged:
+        async for _, step in merged:
+            yield step
 
 
 def _reindexed(step: StepOutput, index: int) -> StepOutput:

@@ -6,6 +6,7 @@ them with fake replica states.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -144,3 +145,23 @@ class KVCapacityPolicy:
 
     def record(self, blocks: int, replica_id: str) -> None:
         self._sent[replica_id] = self._sent.get(replica_id, 0) + blocks
+
+
+def rendezvous_score(key: str, replica_id: str) -> int:
+    """Highest-random-weight score of ``replica_id`` for ``key`` (a digest: equal in every
+    process, unlike Python's salted ``hash``)."""
+    digest = hashlib.blake2b(f"{key}\0{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous_rank(key: str, replicas: Sequence[ReplicaLoad]) -> list[list[ReplicaLoad]]:
+    """Replicas for ``key`` by rendezvous hashing, one per rank: the owner first, then the
+    next owner if it were gone, and so on.
+
+    Every router process picks the same owner for a key without sharing state, and adding or
+    removing a replica moves only the keys that replica owns, so an image repeated by any
+    client reaches the encoder replica whose cache holds it. A busy owner is passed over only
+    when its queue is full (Serve then tries the next rank).
+    """
+    ordered = sorted(replicas, key=lambda r: rendezvous_score(key, r.replica_id), reverse=True)
+    return [[r] for r in ordered]

@@ -1,4 +1,4 @@
-"""Ray Serve request routers for the prefill and decode deployments.
+"""Ray Serve request routers for the prefill, decode and vision encoder deployments.
 
 Serve builds one of these inside every process that holds a handle to the deployment (here:
 the PD router's replicas). Each turns Serve's view of the replicas into ``ReplicaLoad``s and
@@ -19,7 +19,12 @@ from ray.serve.request_router import (
 )
 
 from neuron_runtime.kv_transfer import prompt_block_hashes
-from router.policies import KVCapacityPolicy, PrefixAffinityPolicy, ReplicaLoad
+from router.policies import (
+    KVCapacityPolicy,
+    PrefixAffinityPolicy,
+    ReplicaLoad,
+    rendezvous_rank,
+)
 
 
 def _load(router: RequestRouter, replica: RunningReplica) -> ReplicaLoad:
@@ -102,3 +107,17 @@ class KVCapacityRouter(_PolicyRouter):
     ) -> None:
         needed = self._blocks_needed(_request(pending_request), list(self.curr_replicas.values()))
         self.policy.record(needed, replica_id.unique_id)
+
+
+class RendezvousRouter(_PolicyRouter):
+    """Vision encoder replicas: the owner of the image's content hash (rendezvous hashing), so
+    repeats of an image hit the embedding cache of the replica that encoded it."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        request = _request(pending_request)
+        loads = [_load(self, r) for r in candidate_replicas]
+        if request is None:  # Serve's own probes carry no request
+            return self._ranked(candidate_replicas, [loads])
+        return self._ranked(candidate_replicas, rendezvous_rank(request.content_hash, loads))
