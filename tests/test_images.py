@@ -108,7 +108,7 @@ def test_corrupt_or_disallowed_bytes_are_400(data):
     assert "not a valid" in refused(info, 400)
 
 
-@pytest.mark.parametrize("image_format", ["PNG", "JPEG", "GIF", "BMP"])
+@pytest.mark.parametrize("image_format", ["PNG", "JPEG", "WEBP", "GIF", "BMP"])
 def test_truncated_images_are_400(image_format):
     data = encoded(image_format, (256, 256))
     with pytest.raises(ImageInputError) as info:
