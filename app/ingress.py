@@ -26,7 +26,13 @@ from ray.serve.handle import DeploymentHandle
 
 from app.errors import OpenAIError, install_handlers, sse_error
 from app.generation import Generation, PromptStream
-from app.images import ImageData, ImageLimits, check_image_count, load_image_url
+from app.images import (
+    ImageData,
+    ImageInputError,
+    ImageLimits,
+    check_image_count,
+    load_image_url,
+)
 from app.metrics import RequestTimer, ServingMetrics
 from app.middleware import EdgeMiddleware
 from app.protocol import (
@@ -353,10 +359,13 @@ class OpenAIIngress:
                 else:
                     content = parts
             conversation.append({"role": message.role, "content": content or ""})
-        check_image_count(len(pending), self.image_limits, "messages")
-        images = await asyncio.gather(
-            *(load_image_url(url, self.image_limits, param) for url, param in pending)
-        )
+        try:
+            check_image_count(len(pending), self.image_limits, "messages")
+            images = await asyncio.gather(
+                *(load_image_url(url, self.image_limits, param) for url, param in pending)
+            )
+        except ImageInputError as exc:
+            raise OpenAIError(exc.status_code, exc.message, param=exc.param) from exc
         try:
             ids = self.tokenizer.encode_chat(conversation)
         except UnicodeError as exc:
