@@ -151,8 +151,9 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: replaces the ids' embeddings
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary.lookup(positions)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -194,8 +195,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
