@@ -47,6 +47,7 @@ def build(out: Path, tokenizer_src: Path) -> Path:
         LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
+        LlavaProcessor,
     )
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_src)
@@ -101,12 +102,20 @@ def build(out: Path, tokenizer_src: Path) -> Path:
                 param.mul_(4.0)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
     processor = CLIPImageProcessor(
         size={"shortest_edge": IMAGE_SIZE},
         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
     )
-    processor.save_pretrained(out)
+    # The LlavaProcessor (AutoProcessor) writes the image processor and the tokenizer.
+    LlavaProcessor(
+        image_processor=processor,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLS, which "default" drops again
+        chat_template=CHAT_TEMPLATE,
+    ).save_pretrained(out)
+    processor.save_pretrained(out)  # preprocessor_config.json too, as llava-hf folders have
     generation = tokenizer_src / "generation_config.json"
     if generation.is_file():
         shutil.copy(generation, out / "generation_config.json")

@@ -134,10 +134,17 @@ class ImageProcessorConfig:
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ImageProcessorConfig:
-        file = Path(path) / "preprocessor_config.json"
-        if not file.is_file():
+        # transformers 5 writes the image processor inside processor_config.json.
+        file, combined = (
+            Path(path) / "preprocessor_config.json",
+            Path(path) / "processor_config.json",
+        )
+        if file.is_file():
+            cfg = json.loads(file.read_text())
+        elif combined.is_file() and "image_processor" in json.loads(combined.read_text()):
+            cfg = json.loads(combined.read_text())["image_processor"]
+        else:
             raise ValueError(f"{path} has no preprocessor_config.json (the image processor)")
-        cfg = json.loads(file.read_text())
         size = cfg.get("size", {"shortest_edge": 224})
         # An int size is a shortest edge for CLIP (default_to_square=False).
         shortest = size if isinstance(size, int) else size.get("shortest_edge")
@@ -250,9 +257,8 @@ def expand_image_tokens(
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """(expanded ids, [(offset, length)] per image).
 
-    Each maximal run of image tokens is one image: a run of 1 becomes ``tokens_per_image``
-    tokens, a run of ``tokens_per_image`` is kept (already expanded); other lengths are an
-    error.
+    A run of ``k * tokens_per_image`` image tokens is ``k`` images already expanded; any other
+    run of ``k`` image tokens is ``k`` adjacent images of one token each, expanded here.
     """
     out: list[int] = []
     spans: list[tuple[int, int]] = []
@@ -265,13 +271,11 @@ def expand_image_tokens(
         run = i
         while run < n and token_ids[run] == image_token_id:
             run += 1
-        if run - i not in (1, tokens_per_image):
-            raise ValueError(
-                f"a run of {run - i} image tokens at position {i}: each image is one image "
-                f"token or {tokens_per_image} of them"
-            )
-        spans.append((len(out), tokens_per_image))
-        out.extend([image_token_id] * tokens_per_image)
+        length = run - i
+        num_images = length // tokens_per_image if length % tokens_per_image == 0 else length
+        for _ in range(num_images):
+            spans.append((len(out), tokens_per_image))
+            out.extend([image_token_id] * tokens_per_image)
         i = run
     return out, spans
 

@@ -28,8 +28,10 @@ def test_expand_image_tokens_expands_single_tokens_and_keeps_expanded_runs():
     assert ids == [1, IMG, IMG, IMG, 2, IMG, IMG, IMG, 3, IMG, IMG, IMG]
     assert spans == [(1, 3), (5, 3), (9, 3)]
     assert expand_image_tokens([1, 2], IMG, 3) == ([1, 2], [])
-    with pytest.raises(ValueError, match="a run of 2 image tokens at position 1"):
-        expand_image_tokens([1, IMG, IMG, 2], IMG, 3)
+    # Adjacent images: two single tokens, or two expanded runs.
+    two = [1, IMG, IMG, IMG, IMG, IMG, IMG, 2]
+    assert expand_image_tokens([1, IMG, IMG, 2], IMG, 3) == (two, [(1, 3), (4, 3)])
+    assert expand_image_tokens(two, IMG, 3) == (two, [(1, 3), (4, 3)])
 
 
 def test_check_placeholders_wants_each_image_on_its_own_run():
