@@ -126,15 +126,11 @@ class LLM:
             if isinstance(content, list):
                 parts = []
                 for part in content:
-                    if part.get("type") == "image_url":
-                        url = part["image_url"]
-                        images.append(_data_url_bytes(url["url"] if isinstance(url, dict) else url))
-                    elif part.get("type") == "image":
-                        images.append(part["image"])
-                    else:
-                        parts.append(part)
-                        continue
-                    parts.append({"type": "image"})
+                    image = _part_image(part)
+                    if image is not None:
+                        images.append(image)
+                        part = {"type": "image"}
+                    parts.append(part)
                 message = {**message, "content": parts}
             messages.append(message)
         prompt: dict = {"prompt_token_ids": self.engine.tokenizer.encode_chat(messages)}
@@ -186,6 +182,16 @@ class LLM:
                 if output.finished:
                     finished[output.request_id] = output
         return [finished[r] for r in request_ids]
+
+
+def _part_image(part: dict) -> Any:
+    """The image of an image content part (bytes of a data: URL, or a PIL image), else None."""
+    if part.get("type") == "image":
+        return part["image"]
+    if part.get("type") == "image_url":
+        url = part["image_url"]
+        return _data_url_bytes(url["url"] if isinstance(url, dict) else url)
+    return None
 
 
 def _data_url_bytes(url: str) -> bytes:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from neuron_runtime.config import EngineConfig
 from neuron_runtime.kv_transfer import KVPayload
 from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice
 from neuron_runtime.loader import load_model
+from neuron_runtime.models.llava import LlavaForConditionalGeneration
 from neuron_runtime.models.registry import model_class
 from neuron_runtime.multimodal import ImageProcessorConfig, VisionEncoder
 from neuron_runtime.sampler import (
@@ -62,7 +63,9 @@ class ModelRunner:
         self.vision: VisionEncoder | None = None
         if config.model.is_multimodal:
             processor = ImageProcessorConfig.from_folder(config.model.path)
-            self.vision = VisionEncoder(self.model, processor, self.device)
+            self.vision = VisionEncoder(
+                cast(LlavaForConditionalGeneration, self.model), processor, self.device
+            )
         self.num_blocks = config.cache.num_blocks or max(
             1, config.cache.kv_cache_bytes // kv_bytes_per_block(config)
         )
@@ -165,13 +168,13 @@ class ModelRunner:
                 sample_seqs.append(seq)
 
         meta = self._metadata(seqs[:num_decode], slots, num_decode, prefills)
-        ids = torch.tensor(input_ids, device=self.device)
+        ids_t = torch.tensor(input_ids, device=self.device)
         pos_t = torch.tensor(positions, device=self.device)
         if image_rows:
-            embeds = self._embeds_with_images(ids, image_rows)
-            hidden = self.model(ids, pos_t, self.kv_caches, meta, inputs_embeds=embeds)
+            embeds = self._embeds_with_images(ids_t, image_rows)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta, inputs_embeds=embeds)
         else:
-            hidden = self.model(ids, pos_t, self.kv_caches, meta)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         result = ModelRunnerOutput()
         for seq, row in prompt_rows:
             result.prompt_logprobs[seq.req_id] = self._prompt_logprobs(seq, hidden, row)

@@ -55,6 +55,7 @@ def load_image(image: RawImage, max_pixels: int | None = None) -> Image.Image:
     Encoded bytes are checked from their header before the pixels are decoded. Transparency
     is composited onto white, as transformers' ``convert_rgb`` does.
     """
+    img: Image.Image
     if isinstance(image, bytes):
         try:
             img = Image.open(io.BytesIO(image))  # reads the header only
