@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from neuron_runtime.engine import EngineStats, LLMEngine, PromptType
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.kv_transfer import KVHandoff
+from neuron_runtime.multimodal import MultiModalInput
 from neuron_runtime.outputs import RequestOutput, RequestOutputKind
 from neuron_runtime.sampling_params import SamplingParams
 
@@ -35,6 +36,7 @@ class _Add:
     kind: RequestOutputKind
     export_kv: bool = False
     handoff: KVHandoff | None = None
+    mm_inputs: list[MultiModalInput] | None = None
 
 
 @dataclass
@@ -72,13 +74,14 @@ class AsyncEngine:
         *,
         export_kv: bool = False,
         handoff: KVHandoff | None = None,
+        mm_inputs: list[MultiModalInput] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they come; the last one has ``finished=True``.
 
         Invalid input raises ValueError before anything is queued. Leaving the iterator early
         (client gone, task cancelled) aborts the request and frees its KV blocks.
-        ``export_kv`` and ``handoff`` select the prefill and decode roles
-        (``LLMEngine.add_request``).
+        ``export_kv`` and ``handoff`` select the prefill and decode roles, ``mm_inputs`` are
+        the prompt's images (``LLMEngine.add_request``).
         """
         self._check_alive()
         request_id = request_id or uuid.uuid4().hex
@@ -87,7 +90,7 @@ class AsyncEngine:
         if request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._sinks[request_id] = (loop, sink)
-        self._commands.put(_Add(request_id, prompt, params, kind, export_kv, handoff))
+        self._commands.put(_Add(request_id, prompt, params, kind, export_kv, handoff, mm_inputs))
         finished = False
         try:
             while True:
@@ -168,6 +171,7 @@ class AsyncEngine:
                 cmd.kind,
                 export_kv=cmd.export_kv,
                 handoff=cmd.handoff,
+                mm_inputs=cmd.mm_inputs,
             )
         except ValueError as exc:
             self._send(cmd.request_id, exc)

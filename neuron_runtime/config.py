@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """``hf_config["text_config"]`` for a vision-language model, else ``hf_config`` itself."""
+    return hf_config.get("text_config") or hf_config
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load: a resolved HF folder and its config.json contents."""
@@ -25,23 +30,32 @@ class ModelConfig:
         return archs[0] if archs else ""
 
     @property
+    def text_config(self) -> dict[str, Any]:
+        """The language model's settings: ``text_config`` of a vision-language model."""
+        return text_config(self.hf_config)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return "vision_config" in self.hf_config
+
+    @property
     def num_layers(self) -> int:
-        return int(self.hf_config["num_hidden_layers"])
+        return int(self.text_config["num_hidden_layers"])
 
     @property
     def num_kv_heads(self) -> int:
-        cfg = self.hf_config
+        cfg = self.text_config
         return int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
 
     @property
     def head_dim(self) -> int:
-        cfg = self.hf_config
+        cfg = self.text_config
         head_dim = cfg.get("head_dim")
         return int(head_dim or cfg["hidden_size"] // cfg["num_attention_heads"])
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config["vocab_size"])
+        return int(self.text_config["vocab_size"])
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.kv_cache import KVCacheManager
 from neuron_runtime.kv_transfer import KVHandoff, KVMetadata, KVPayload
 from neuron_runtime.model_runner import ModelRunner
+from neuron_runtime.multimodal import MultiModalInput, check_placeholders
 from neuron_runtime.output_processor import OutputProcessor
 from neuron_runtime.outputs import RequestOutput, RequestOutputKind
 from neuron_runtime.request import Request, RequestStatus
@@ -46,6 +47,7 @@ class LLMEngine:
         self.backend = get_backend(config.device, config.num_threads)
         self.tokenizer = Tokenizer(config.model.path)
         self.runner = ModelRunner(config, self.backend)
+        self.vision = self.runner.vision  # None for a text-only model
         block_size = config.cache.block_size
         capacity = self.runner.num_blocks * block_size
         if capacity < config.model.max_model_len:
@@ -80,8 +82,13 @@ class LLMEngine:
         *,
         export_kv: bool = False,
         handoff: KVHandoff | None = None,
+        mm_inputs: list[MultiModalInput] | None = None,
     ) -> None:
         """Queues a request; ValueError (nothing queued) when the prompt or params are invalid.
+
+        ``mm_inputs``: the prompt's images, their placeholders already in the prompt ids
+        (``multimodal.expand_image_tokens``). Inputs with only an image are encoded now by the
+        model's vision tower; precomputed features are checked and used as they are.
 
         Disaggregated serving uses two roles. ``export_kv`` (prefill): the request ends once
         its first token is out, and its final output carries a ``KVHandoff``. ``handoff``
@@ -100,6 +107,7 @@ class LLMEngine:
         bad_words = self.tokenizer.bad_words_token_ids(params.bad_words or [])
         if (export_kv or handoff is not None) and params.n != 1:
             raise ValueError("a KV handoff carries one sequence: split n > 1 into n requests")
+        images = self._images(prompt_ids, mm_inputs or [])
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         )
@@ -107,7 +115,7 @@ class LLMEngine:
         requests = []
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.child(index)
-            request = Request(child_id, prompt_ids, child_params, eos)
+            request = Request(child_id, prompt_ids, child_params, eos, mm_inputs=images)
             request.bad_words_token_ids = bad_words
             requests.append(request)
         prefilled = None
@@ -128,7 +136,7 @@ class LLMEngine:
         if request.max_tokens is not None and len(outputs) >= request.max_tokens:
             raise ValueError("the handed-off tokens already reach max_tokens")
         if handoff.payload is not None:
-            handoff.payload.check(self.config.model, request.prompt_token_ids)
+            handoff.payload.check(self.config.model, request.prompt_token_ids, request.mm_inputs)
             request.kv_import = handoff.payload
         request.all_token_ids.extend(outputs)
         state = handoff.generator_state(0)
@@ -165,7 +173,7 @@ class LLMEngine:
                 continue  # not a prefill-role request, or it ended on its first token
             prompt = request.prompt_token_ids
             payload = KVPayload(
-                KVMetadata.describe(self.config.model, prompt),
+                KVMetadata.describe(self.config.model, prompt, request.mm_inputs),
                 self.runner.export_kv(request.block_table, len(prompt)),
             )
             parent_id = self.output_processor.child_to_parent[request.req_id]
@@ -204,6 +212,23 @@ class LLMEngine:
             num_kv_exports=self.num_kv_exports,
             num_kv_imports=self.num_kv_imports,
         )
+
+    def _images(
+        self, prompt_ids: list[int], mm_inputs: list[MultiModalInput]
+    ) -> list[MultiModalInput]:
+        """The prompt's images in order, with features; ValueError if they do not fit."""
+        if self.vision is None:
+            if mm_inputs:
+                raise ValueError(
+                    f"model {self.config.model.name or self.config.model.path!r} has no vision "
+                    "tower: it cannot take images"
+                )
+            return []
+        vision = self.vision
+        mm_inputs = check_placeholders(
+            prompt_ids, mm_inputs, vision.image_token_id, vision.tokens_per_image
+        )
+        return vision.features(mm_inputs) if mm_inputs else []
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         text: str | None

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from neuron_runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from neuron_runtime.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    text_config,
+)
 from neuron_runtime.loader import load_hf_config
 from neuron_runtime.model_store import resolve_model
+from neuron_runtime.models.registry import complete_config
 
 
 @dataclass
@@ -27,8 +34,8 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
-        hf_config = load_hf_config(path)
-        limit = int(hf_config.get("max_position_embeddings") or 2048)
+        hf_config = complete_config(load_hf_config(path))
+        limit = int(text_config(hf_config).get("max_position_embeddings") or 2048)
         max_model_len = self.max_model_len or limit
         if max_model_len > limit:
             raise ValueError(

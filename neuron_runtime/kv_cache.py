@@ -9,9 +9,10 @@ block table) and token ``i`` of the request lives in slot ``i % block_size`` of 
     cache:  block 2 = [t4 t5 t6 t7]  block 7 = [t0 t1 t2 t3]  block 11 = [t8 t9 -- --]
 
 A full block is named by a hash of its tokens chained with the previous block's hash, so equal
-prefixes map to equal hashes. Freed blocks keep their hash and content until the pool reuses
-them (least recently freed first): a later request with the same prefix takes them back
-without recomputing.
+prefixes map to equal hashes. A block holding image placeholders also mixes in each such
+image's content hash: the same placeholder tokens with another image are another prefix.
+Freed blocks keep their hash and content until the pool reuses them (least recently freed
+first): a later request with the same prefix takes them back without recomputing.
 
 This module holds no tensors; the model runner owns the cache memory.
 """
@@ -21,11 +22,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from neuron_runtime.multimodal import images_in_range
 from neuron_runtime.request import Request
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hash of one full block, chained to its parent so it names the whole prefix."""
+def hash_block(
+    parent_hash: int | None, token_ids: Sequence[int], images: tuple[tuple[str, int], ...] = ()
+) -> int:
+    """Hash of one full block, chained to its parent so it names the whole prefix.
+
+    ``images``: (content hash, offset) of each image whose placeholders the block holds.
+    """
+    if images:
+        return hash((parent_hash, tuple(token_ids), images))
     return hash((parent_hash, tuple(token_ids)))
 
 
@@ -135,11 +144,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        tokens = request.all_token_ids
         parent: int | None = None
         hits: list[tuple[int, Block]] = []
         for i in range(max_blocks):
-            block_hash = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = self._block_hash(request, parent, i)
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -174,12 +182,16 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
-        tokens = request.all_token_ids
         for i in range(len(request.block_hashes), num_full):
             parent = request.block_hashes[-1] if request.block_hashes else None
-            block_hash = hash_block(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = self._block_hash(request, parent, i)
             request.block_hashes.append(block_hash)
             self.pool.register(self.pool.blocks[request.block_table[i]], block_hash)
+
+    def _block_hash(self, request: Request, parent: int | None, i: int) -> int:
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        images = images_in_range(request.mm_inputs, start, end) if request.mm_inputs else ()
+        return hash_block(parent, request.all_token_ids[start:end], images)
 
     def free(self, request: Request) -> None:
         self.pool.free(request.block_table)

@@ -9,7 +9,8 @@ Tokens, not blocks, are the unit: the two engines may have different block sizes
 blocks, so the decode side writes the tokens into whatever blocks it allocates.
 
 The importer checks every metadata field against its own model and against the prompt it is
-given (the block hash chain names the exact tokens): a mismatch fails that one request.
+given (the block hash chain names the exact tokens, and the images whose placeholders each
+block holds): a mismatch fails that one request.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from neuron_runtime.config import ModelConfig
+from neuron_runtime.multimodal import MultiModalInput, images_in_range
 
 # Hash chains for transfers are computed with this block size on both sides, whatever block
 # size each engine's cache uses.
@@ -37,17 +39,23 @@ def model_fingerprint(model: ModelConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def prompt_block_hashes(token_ids: list[int]) -> tuple[str, ...]:
+def prompt_block_hashes(
+    token_ids: list[int], mm_inputs: list[MultiModalInput] | None = None
+) -> tuple[str, ...]:
     """The hash chain of the prompt's full transfer blocks.
 
     A content digest, not Python's ``hash``: it must agree between processes (on Python 3.11
     ``hash(None)`` depends on the address of ``None``, so the prefix cache's chain does not).
+    A block holding image placeholders mixes in each such image's content hash and offset.
     """
     bs = TRANSFER_HASH_BLOCK_SIZE
     hashes: list[str] = []
     parent = b""
     for i in range(len(token_ids) // bs):
         block = np.asarray(token_ids[i * bs : (i + 1) * bs], dtype=np.int64).tobytes()
+        if mm_inputs:
+            images = images_in_range(mm_inputs, i * bs, (i + 1) * bs)
+            block += "".join(f"{h}@{offset};" for h, offset in images).encode()
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         hashes.append(parent.hex())
     return tuple(hashes)
@@ -67,9 +75,16 @@ class KVMetadata:
     block_hashes: tuple[str, ...]
     # Tail tokens past the last full transfer block, so short prompts are named too.
     tail_token_ids: tuple[int, ...] = ()
+    # "content hash@offset" of every image of the prompt (the tail block's ones included).
+    image_hashes: tuple[str, ...] = ()
 
     @classmethod
-    def describe(cls, model: ModelConfig, token_ids: list[int]) -> KVMetadata:
+    def describe(
+        cls,
+        model: ModelConfig,
+        token_ids: list[int],
+        mm_inputs: list[MultiModalInput] | None = None,
+    ) -> KVMetadata:
         tail = len(token_ids) % TRANSFER_HASH_BLOCK_SIZE
         return cls(
             model_id=model.name or model.path,
@@ -79,8 +94,9 @@ class KVMetadata:
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
             num_tokens=len(token_ids),
-            block_hashes=prompt_block_hashes(token_ids),
+            block_hashes=prompt_block_hashes(token_ids, mm_inputs),
             tail_token_ids=tuple(token_ids[len(token_ids) - tail :]) if tail else (),
+            image_hashes=tuple(f"{m.content_hash}@{m.offset}" for m in mm_inputs or ()),
         )
 
     @property
@@ -99,9 +115,14 @@ class KVPayload:
     def nbytes(self) -> int:
         return int(self.kv.nbytes)
 
-    def check(self, model: ModelConfig, prompt_token_ids: list[int]) -> None:
+    def check(
+        self,
+        model: ModelConfig,
+        prompt_token_ids: list[int],
+        mm_inputs: list[MultiModalInput] | None = None,
+    ) -> None:
         """Raises KVTransferError naming the first field that does not match."""
-        expected = KVMetadata.describe(model, prompt_token_ids)
+        expected = KVMetadata.describe(model, prompt_token_ids, mm_inputs)
         got = self.metadata
         for name in ("config_hash", "dtype", "num_layers", "num_kv_heads", "head_dim"):
             if getattr(got, name) != getattr(expected, name):
@@ -113,6 +134,8 @@ class KVPayload:
             raise KVTransferError(
                 f"KV payload holds {got.num_tokens} tokens, the prompt has {expected.num_tokens}"
             )
+        if got.image_hashes != expected.image_hashes:
+            raise KVTransferError("KV payload was computed for other images")
         if (got.block_hashes, got.tail_token_ids) != (
             expected.block_hashes,
             expected.tail_token_ids,

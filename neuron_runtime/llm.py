@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import itertools
 from collections.abc import Sequence
 from typing import Any, Literal, cast
@@ -9,6 +11,7 @@ from typing import Any, Literal, cast
 from neuron_runtime.embedding import EmbeddingEngine, EmbeddingResult
 from neuron_runtime.engine import LLMEngine, PromptType
 from neuron_runtime.engine_args import EngineArgs
+from neuron_runtime.multimodal import MultiModalInput, expand_image_tokens, hash_image
 from neuron_runtime.outputs import RequestOutput, RequestOutputKind
 from neuron_runtime.sampling_params import SamplingParams
 
@@ -25,6 +28,11 @@ class LLM:
 
     >>> LLM(model="all-minilm-l6-v2", task="embed").embed(["A cat."]).embeddings.shape
     (1, 384)
+
+    A vision-language model takes images with a prompt, one ``<image>`` per image:
+
+    >>> LLM(model="tiny-llava").generate({"prompt": "<image>What is this?",
+    ...                                   "multi_modal_data": {"image": pil_image}})
     """
 
     def __init__(
@@ -84,7 +92,10 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, params, RequestOutputKind.FINAL_ONLY)
+                prompt, mm_inputs = self._with_images(prompt)
+                self.engine.add_request(
+                    request_id, prompt, params, RequestOutputKind.FINAL_ONLY, mm_inputs=mm_inputs
+                )
                 request_ids.append(request_id)
             return self._run(request_ids)
         except BaseException:
@@ -103,9 +114,57 @@ class LLM:
             list[list[Message]],
             messages if messages and isinstance(messages[0], list) else [messages],
         )
-        tokenizer = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": tokenizer.encode_chat(conv)} for conv in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate([self._chat_prompt(conv) for conv in conversations], sampling_params)
+
+    def _chat_prompt(self, conversation: list[Message]) -> dict:
+        """Token ids of the rendered chat; image content parts become image placeholders
+        (``{"type": "image"}`` for the template) and their images ``multi_modal_data``."""
+        images: list[Any] = []
+        messages = []
+        for message in conversation:
+            content = message.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    image = _part_image(part)
+                    if image is not None:
+                        images.append(image)
+                        part = {"type": "image"}
+                    parts.append(part)
+                message = {**message, "content": parts}
+            messages.append(message)
+        prompt: dict = {"prompt_token_ids": self.engine.tokenizer.encode_chat(messages)}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return prompt
+
+    def _with_images(self, prompt: PromptType) -> tuple[PromptType, list[MultiModalInput] | None]:
+        """A prompt with ``multi_modal_data`` -> its expanded token ids and image inputs."""
+        if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+            return prompt, None
+        data = prompt["multi_modal_data"]
+        if set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data takes only 'image', got {sorted(data)}")
+        images = data.get("image")
+        images = images if isinstance(images, list) else [images]
+        vision = self.engine.vision
+        if vision is None:
+            raise ValueError(f"model {self.engine.config.model.name!r} has no vision tower")
+        if "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+        else:
+            ids = self.engine.tokenizer.encode(prompt["prompt"])
+        ids, spans = expand_image_tokens(ids, vision.image_token_id, vision.tokens_per_image)
+        if len(spans) != len(images):
+            raise ValueError(
+                f"the prompt has {len(spans)} image placeholders but {len(images)} images "
+                "were given"
+            )
+        mm_inputs = [
+            MultiModalInput(offset, length, hash_image(image), image=image)
+            for (offset, length), image in zip(spans, images, strict=True)
+        ]
+        return {"prompt": prompt.get("prompt"), "prompt_token_ids": ids}, mm_inputs
 
     def _require_task(self, task: str, method: str) -> None:
         if self.task != task:
@@ -123,3 +182,24 @@ class LLM:
                 if output.finished:
                     finished[output.request_id] = output
         return [finished[r] for r in request_ids]
+
+
+def _part_image(part: dict) -> Any:
+    """The image of an image content part (bytes of a data: URL, or a PIL image), else None."""
+    if part.get("type") == "image":
+        return part["image"]
+    if part.get("type") == "image_url":
+        url = part["image_url"]
+        return _data_url_bytes(url["url"] if isinstance(url, dict) else url)
+    return None
+
+
+def _data_url_bytes(url: str) -> bytes:
+    """The image bytes of a base64 ``data:`` URL (the offline API fetches nothing)."""
+    header, _, data = url.partition(",")
+    if not header.startswith("data:") or not header.endswith(";base64"):
+        raise ValueError("LLM.chat takes image_url parts as base64 data: URLs only")
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error:
+        raise ValueError("the image data: URL is not valid base64") from None

@@ -28,14 +28,19 @@ def load_hf_config(path: PathLike) -> dict[str, Any]:
     return json.loads(config_file.read_text())
 
 
-def iter_weights(path: PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    path: PathLike, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every weight in the folder, floating tensors as float32.
 
     Tensors are read one at a time, so peak memory is one checkpoint tensor beyond the model.
+    ``keep`` selects by name: the others are never read (a vision tower skips the LM).
     """
     for shard in _safetensors_files(Path(path)):
         with safe_open(shard, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
+                if keep is not None and not keep(name):
+                    continue
                 tensor = f.get_tensor(name)
                 yield name, tensor.float() if tensor.is_floating_point() else tensor
 
@@ -53,6 +58,28 @@ def load_model(
     # nn.Module declares no load_weights; every model class in neuron_runtime.models has one.
     cast(WeightLoadable, model).load_weights(iter_weights(path))
     return model.eval()
+
+
+def copy_weights(
+    module: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], what: str
+) -> None:
+    """Copies HF-named tensors into ``module``'s parameters of the same names, checking that
+    every name has a place, every shape matches and no parameter is left out."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the {what}")
+        if params[name].shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(params[name].shape)}"
+            )
+        params[name].data.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {what} weights: {missing[:5]}")
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

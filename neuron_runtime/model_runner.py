@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,7 +18,9 @@ from neuron_runtime.config import EngineConfig
 from neuron_runtime.kv_transfer import KVPayload
 from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice
 from neuron_runtime.loader import load_model
+from neuron_runtime.models.llava import LlavaForConditionalGeneration
 from neuron_runtime.models.registry import model_class
+from neuron_runtime.multimodal import ImageProcessorConfig, VisionEncoder
 from neuron_runtime.sampler import (
     SamplingBatch,
     apply_allowed_tokens,
@@ -57,6 +59,13 @@ class ModelRunner:
         cls = model_class(config.model.architecture)
         model = load_model(cls, config.model.hf_config, config.model.path)
         self.model: Any = backend.prepare_model(model)
+        # A vision-language model encodes images with its own tower (at request admission).
+        self.vision: VisionEncoder | None = None
+        if config.model.is_multimodal:
+            processor = ImageProcessorConfig.from_folder(config.model.path)
+            self.vision = VisionEncoder(
+                cast(LlavaForConditionalGeneration, self.model), processor, self.device
+            )
         self.num_blocks = config.cache.num_blocks or max(
             1, config.cache.kv_cache_bytes // kv_bytes_per_block(config)
         )
@@ -134,6 +143,7 @@ class ModelRunner:
         sample_seqs: list[ScheduledSeq] = []
         prefills: list[PrefillSlice] = []
         prompt_rows: list[tuple[ScheduledSeq, int]] = []  # (slice, its first row)
+        image_rows: list[tuple[ScheduledSeq, int]] = []  # (slice with images, its first row)
         num_decode = 0
         bs = self.block_size
         for seq in seqs:
@@ -142,6 +152,8 @@ class ModelRunner:
             pos = range(seq.start_pos, seq.start_pos + n)
             if seq.prompt_logprob_targets:
                 prompt_rows.append((seq, q_start + seq.prompt_logprob_offset))
+            if seq.mm_inputs:
+                image_rows.append((seq, q_start))
             input_ids.extend(seq.token_ids)
             positions.extend(pos)
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
@@ -156,12 +168,13 @@ class ModelRunner:
                 sample_seqs.append(seq)
 
         meta = self._metadata(seqs[:num_decode], slots, num_decode, prefills)
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            self.kv_caches,
-            meta,
-        )
+        ids_t = torch.tensor(input_ids, device=self.device)
+        pos_t = torch.tensor(positions, device=self.device)
+        if image_rows:
+            embeds = self._embeds_with_images(ids_t, image_rows)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta, inputs_embeds=embeds)
+        else:
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         result = ModelRunnerOutput()
         for seq, row in prompt_rows:
             result.prompt_logprobs[seq.req_id] = self._prompt_logprobs(seq, hidden, row)
@@ -192,6 +205,25 @@ class ModelRunner:
             else:
                 result.sampled[seq.req_id] = token
         return result
+
+    def _embeds_with_images(
+        self, ids: torch.Tensor, image_rows: list[tuple[ScheduledSeq, int]]
+    ) -> torch.Tensor:
+        """Token embeddings [T, hidden] with image placeholder rows replaced by features.
+
+        A slice covers positions [start_pos, start_pos + n): it takes the part of each image
+        inside it (a chunked prefill or a prefix-cache hit may split an image).
+        """
+        embeds = self.model.embed_input_ids(ids)
+        for seq, q_start in image_rows:
+            end = seq.start_pos + len(seq.token_ids)
+            for m in seq.mm_inputs:
+                assert m.features is not None, "the engine encodes images at admission"
+                lo, hi = max(m.offset, seq.start_pos), min(m.offset + m.length, end)
+                rows = m.features.embeds[lo - m.offset : hi - m.offset]  # [hi - lo, hidden]
+                first = q_start + lo - seq.start_pos
+                embeds[first : first + hi - lo] = torch.tensor(rows, device=self.device)
+        return embeds
 
     def _process_logits(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
         """Penalties and logit_bias; returns ``logits`` itself when no row asks for them."""

@@ -4,6 +4,8 @@ Accepted model strings:
 - a known alias (see ``ALIASES``): a GGUF file or an HF folder shipped inside a PyPI package;
 - a known alias of a GGUF file shipped in parts (see ``ASSEMBLED_ALIASES``), joined once into
   the cache;
+- a known alias of a tiny random-weight model built by a script in ``configs/`` (see
+  ``BUILT_ALIASES``), built once into the cache;
 - a local directory holding ``config.json``;
 - a local ``.gguf`` file.
 Nothing is downloaded: the serving machines have no route to the Hugging Face hub.
@@ -17,6 +19,7 @@ import argparse
 import hashlib
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import sys
@@ -48,6 +51,14 @@ ASSEMBLED_ALIASES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+# alias -> build script in the repository's configs/ folder; its ``build(out, tokenizer_dir)``
+# writes an HF folder, with the SmolLM2 tokenizer of the default model.
+BUILT_ALIASES: dict[str, str] = {
+    "tiny-llava": "build_tiny_llava.py",
+}
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
 def cache_dir() -> Path:
     """Root of the model cache: ``$NEURON_SERVE_CACHE``, else ``~/.cache/neuron-serve``."""
     root = os.environ.get("NEURON_SERVE_CACHE")
@@ -65,6 +76,8 @@ def resolve_model(model: str) -> Path:
         return shipped if shipped.is_dir() else _converted(shipped, name=model)
     if model in ASSEMBLED_ALIASES:
         return _converted(_assembled(model), name=model)
+    if model in BUILT_ALIASES:
+        return _built(model)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -74,7 +87,7 @@ def resolve_model(model: str) -> Path:
         return _converted(path, name=path.stem)
     raise ValueError(
         f"unknown model {model!r}: expected one of the aliases "
-        f"{sorted([*ALIASES, *ASSEMBLED_ALIASES])}, a local folder "
+        f"{sorted([*ALIASES, *ASSEMBLED_ALIASES, *BUILT_ALIASES])}, a local folder "
         "with config.json, or a local .gguf file (models are never downloaded)"
     )
 
@@ -123,6 +136,45 @@ def _assembled(alias: str) -> Path:
     return target
 
 
+def _built(alias: str) -> Path:
+    """The folder of a built alias in the cache, built on first use (again if its script
+    changes)."""
+    script = CONFIGS_DIR / BUILT_ALIASES[alias]
+    if not script.is_file():
+        raise ValueError(f"model {alias!r} is built by {script}, which is missing")
+    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"{alias}-{digest}"
+    if target.is_dir():  # as in _converted: it only appears through the rename
+        return target
+    tokenizer = resolve_model("smollm2-135m-instruct")
+    spec = importlib.util.spec_from_file_location(f"_build_{alias.replace('-', '_')}", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        module.build(tmp, tokenizer)
+        _publish(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Renames a finished folder into place, readable by all; a lost race is fine."""
+    # mkdtemp and safetensors create owner-only entries; the cache may be shared.
+    tmp.chmod(0o755)
+    for file in tmp.iterdir():
+        file.chmod(0o644)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+        # Another process won the race; its folder is as good as ours.
+
+
 def _converted(gguf_path: Path, name: str) -> Path:
     target = cache_dir() / "models" / f"{name}-{_fingerprint(gguf_path)}"
     # The folder only ever appears through the rename below, so existing means complete.
@@ -133,15 +185,7 @@ def _converted(gguf_path: Path, name: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         convert_gguf_to_hf(gguf_path, tmp)
-        # mkdtemp and safetensors create owner-only entries; the cache may be shared.
-        tmp.chmod(0o755)
-        for file in tmp.iterdir():
-            file.chmod(0o644)
-        os.rename(tmp, target)
-    except OSError:
-        if not target.is_dir():
-            raise
-        # Another process won the race; its folder is as good as ours.
+        _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

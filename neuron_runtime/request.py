@@ -6,6 +6,7 @@ import enum
 import time
 
 from neuron_runtime.kv_transfer import KVPayload
+from neuron_runtime.multimodal import MultiModalInput
 from neuron_runtime.sampling_params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Request:
         params: SamplingParams,
         eos_token_id: int | None,
         arrival_time: float | None = None,
+        mm_inputs: list[MultiModalInput] | None = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -73,6 +75,8 @@ class Request:
         # Decode role: KV of the prompt computed elsewhere, written into the cache when the
         # request is admitted (dropped on preemption: a preempted request recomputes).
         self.kv_import: KVPayload | None = None
+        # Images of the prompt, in prompt order, their features computed (kept for recompute).
+        self.mm_inputs: list[MultiModalInput] = mm_inputs or []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -90,6 +90,14 @@ def make_tiny_llama(out: Path, tokenizer_src: Path, **overrides) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llava_path(default_model_path) -> Path:
+    """The tiny random LLaVA (configs/build_tiny_llava.py), built once into the model cache."""
+    from neuron_runtime.model_store import resolve_model
+
+    return resolve_model("tiny-llava")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory, default_model_path) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_path)
 

@@ -116,14 +116,18 @@ class Gemma3Model(LlamaModel):
         self.embed_scale: torch.Tensor
         self.register_buffer("embed_scale", scale, persistent=False)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden], already scaled
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.embed_scale
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         global_rope = self.rotary.lookup(positions)
         local_rope = self.local_rotary.lookup(positions)
         residual: torch.Tensor | None = None

@@ -145,14 +145,19 @@ class LlamaModel(nn.Module):
             head_dim, cfg.get("max_position_embeddings", 4096), rope_parameters(cfg)
         )
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden], as the first layer takes them."""
+        return self.embed_tokens(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: replaces the ids' embeddings
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary.lookup(positions)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -194,8 +199,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
