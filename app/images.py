@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import hashlib
 import io
 import ipaddress
 import socket
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 
 import httpx
 from PIL import Image
+
+from neuron_runtime.multimodal import image_content_hash
 
 ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _FORMAT_NAMES = "PNG, JPEG, WEBP, GIF or BMP"
@@ -69,12 +70,6 @@ class ImageInputError(ValueError):
         self.message = message
         self.param = param
         self.status_code = status_code
-
-
-def image_content_hash(data: bytes) -> str:
-    # The same digest as neuron_runtime.multimodal.image_content_hash (sha256 hex of the
-    # encoded bytes); import that one instead once it lands.
-    return hashlib.sha256(data).hexdigest()
 
 
 def check_image_count(count: int, limits: ImageLimits, param: str = "messages") -> None:

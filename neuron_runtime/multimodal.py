@@ -312,6 +312,23 @@ def check_placeholders(
     return mm_inputs
 
 
+@dataclass(frozen=True)
+class VisionSpec:
+    """How a vision-language model's prompts hold images."""
+
+    image_token_id: int
+    tokens_per_image: int
+
+
+def vision_spec(cfg: dict[str, Any]) -> VisionSpec | None:
+    """From a completed config alone (no weights); None for a text-only model."""
+    if "vision_config" not in cfg:
+        return None
+    from neuron_runtime.models.llava import tokens_per_image  # llava imports this module
+
+    return VisionSpec(int(cfg["image_token_index"]), tokens_per_image(cfg))
+
+
 def vision_fingerprint(cfg: dict[str, Any]) -> str:
     """Names a LLaVA model's image side: its vision tower, feature selection and projector."""
     keys = (

@@ -44,6 +44,11 @@ def _request(pending: PendingRequest | None) -> Any:
     return pending.args[0] if pending is not None and pending.args else None
 
 
+def _prompt_hashes(request: Any) -> tuple[str, ...]:
+    """The prompt's block hash chain; blocks with image placeholders name their image."""
+    return prompt_block_hashes(request.prompt_token_ids, request.images or None)
+
+
 class _PolicyRouter(FIFOMixin, RequestRouter):
     """Maps policy ranks of ReplicaLoads back to Serve's RunningReplicas."""
 
@@ -64,7 +69,7 @@ class PrefixAffinityRouter(_PolicyRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
     ) -> list[list[RunningReplica]]:
         request = _request(pending_request)
-        hashes = prompt_block_hashes(request.prompt_token_ids) if request is not None else ()
+        hashes = _prompt_hashes(request) if request is not None else ()
         loads = [_load(self, r) for r in candidate_replicas]
         return self._ranked(candidate_replicas, self.policy.rank(hashes, loads))
 
@@ -73,7 +78,7 @@ class PrefixAffinityRouter(_PolicyRouter):
     ) -> None:
         request = _request(pending_request)
         if request is not None:
-            self.policy.record(prompt_block_hashes(request.prompt_token_ids), replica_id.unique_id)
+            self.policy.record(_prompt_hashes(request), replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
