@@ -338,3 +338,50 @@ def test_disconnect_while_encoding_frees_everything(mm_server):
     )
     assert reply.usage.completion_tokens == 3
     wait_idle("epd")
+
+
+def test_a_bad_image_in_an_encoder_batch_fails_only_its_own_request(mm_server):
+    """Three images reach one encoder batch (it waits 0.4 s): a corrupt one among them gets
+    its ValueError, the other two their features, equal to the offline vision encoder's."""
+    from deployments.protocol import EncodeRequest
+    from neuron_runtime.multimodal import VisionEncoder, load_image
+
+    handle = serve.get_deployment_handle("VisionEncoder", app_name="epd")
+    images = [png(31), b"\x89PNG\r\n\x1a\n" + b"\0" * 64, png(32)]
+    # Keys the same replica owns, so the three meet in one batch there.
+    loads = [ReplicaLoad(replica_id=r) for r in encoder_stats()]
+
+    def owner(key: str) -> str:
+        return rendezvous_rank(key, loads)[0][0].replica_id
+
+    candidates = [f"batch-test-{i}" for i in range(64)]
+    keys = [k for k in candidates if owner(k) == owner(candidates[0])][:3]
+    requests = [EncodeRequest(key, data) for key, data in zip(keys, images, strict=True)]
+    responses = [handle.encode.remote(r) for r in requests]
+    with pytest.raises(ValueError):
+        responses[1].result(timeout_s=60)
+    results = [responses[i].result(timeout_s=60) for i in (0, 2)]
+    assert not any(r.cache_hit for r in results)
+    assert results[0].encode_seconds == results[1].encode_seconds  # one batch
+    reference = VisionEncoder.from_pretrained(resolve_model(MODEL))
+    for result, data in zip(results, (images[0], images[2]), strict=True):
+        features = ray.get(result.features)
+        expected = reference.encode_images([load_image(data)])[0]
+        np.testing.assert_allclose(features.embeds, expected, atol=1e-5)
+        assert features.fingerprint == reference.fingerprint
+    wait_idle("epd")
+
+
+def test_embedding_cache_evicts_least_recently_used_by_bytes():
+    from deployments.vision_encoder import EmbeddingCache
+
+    cache = EmbeddingCache(max_bytes=100)
+    refs = {key: object() for key in "abcd"}
+    cache.put("a", refs["a"], 40)
+    cache.put("b", refs["b"], 40)
+    assert cache.get("a") == (refs["a"], 40)  # a is now the most recent
+    cache.put("c", refs["c"], 40)  # over 100: b (least recent) goes
+    assert cache.get("b") is None and cache.get("a") is not None and cache.get("c") is not None
+    assert cache.num_bytes == 80 and len(cache) == 2
+    cache.put("d", refs["d"], 101)  # larger than the whole cache: not kept
+    assert cache.get("d") is None and cache.num_bytes == 80

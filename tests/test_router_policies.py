@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.policies import KVCapacityPolicy, PrefixAffinityPolicy, ReplicaLoad, power_of_two
+from router.policies import (
+    KVCapacityPolicy,
+    PrefixAffinityPolicy,
+    ReplicaLoad,
+    power_of_two,
+    rendezvous_rank,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +95,31 @@ def test_kv_capacity_without_reports_falls_back_to_load():
     assert ids(policy.rank(10, full)) == [["r0"]]  # nobody fits: the replica queues it
 
 
-@pytest.mark.parametrize("path", ["serve_config.yaml", "configs/serve/colocated.yaml"])
+def test_rendezvous_spreads_keys_and_moves_only_the_removed_replicas():
+    replicas = [ReplicaLoad(f"r{i}") for i in range(4)]
+    keys = [f"image-{i}" for i in range(400)]
+
+    def owners(pool: list[ReplicaLoad]) -> dict[str, str]:
+        return {key: rendezvous_rank(key, pool)[0][0].replica_id for key in keys}
+
+    before = owners(replicas)
+    counts = {r.replica_id: list(before.values()).count(r.replica_id) for r in replicas}
+    assert all(60 <= c <= 140 for c in counts.values()), counts  # ~100 each
+    # Order of the candidates does not matter; every rank holds one replica, all of them.
+    assert owners(replicas[::-1]) == before
+    ranks = rendezvous_rank("image-0", replicas)
+    assert sorted(r[0].replica_id for r in ranks) == ["r0", "r1", "r2", "r3"]
+    after = owners(replicas[1:])  # r0 removed
+    moved = [key for key in keys if before[key] != after[key]]
+    assert moved and all(before[key] == "r0" for key in moved)
+    # A key's second choice is where it goes when its owner leaves.
+    assert all(after[key] == rendezvous_rank(key, replicas)[1][0].replica_id for key in moved)
+    assert rendezvous_rank("x", []) == []
+
+
+@pytest.mark.parametrize(
+    "path", ["serve_config.yaml", "configs/serve/colocated.yaml", "configs/serve/epd.yaml"]
+)
 def test_serve_configs_validate_and_name_the_built_deployments(path):
     from ray.serve.schema import ServeDeploySchema
 
@@ -102,5 +132,7 @@ def test_serve_configs_validate_and_name_the_built_deployments(path):
     listed = {d["name"] for d in app["deployments"]}
     pd = {"PDRouter", "PrefillServer", "DecodeServer"}
     engine_side = pd if args.mode == "disaggregated" else {"LLMServer"}
-    assert listed == {"OpenAIIngress", "EmbeddingServer"} | engine_side
+    encoder = {"VisionEncoder"} if args.separate_encoder() else set()
+    embedder = {"EmbeddingServer"} if args.embedding_model else set()
+    assert listed == {"OpenAIIngress"} | embedder | engine_side | encoder
     assert config["http_options"]["host"] == "127.0.0.1"
