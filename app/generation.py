@@ -62,6 +62,8 @@ class Generation:
         self.timer = timer
         self.num_prompt_tokens = sum(s.first.num_prompt_tokens for s in streams)
         self.num_cached_tokens = sum(s.first.num_cached_tokens for s in streams)
+        # Per prompt, when prompt_logprobs was asked (the first step carries them).
+        self.prompt_logprobs = [s.first.prompt_logprobs for s in streams]
         timer.metrics.prompt_tokens.inc(self.num_prompt_tokens)
 
     @property

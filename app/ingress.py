@@ -46,7 +46,7 @@ from app.protocol import (
     TokenizeRequest,
 )
 from app.sampling import Limits, check_prompt_ids, sampling_fields, stop_strings
-from app.text import SequenceText, chat_logprobs, completion_logprobs
+from app.text import SequenceText, chat_logprobs, completion_logprobs, prompt_logprobs
 from deployments.protocol import GenerateRequest, ImagePart
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.multimodal import expand_image_tokens, vision_spec
@@ -125,6 +125,9 @@ class OpenAIIngress:
             model=self.config.served_model_name,
             choices=choices,
             usage=generation.usage(),
+            prompt_logprobs=prompt_logprobs(
+                self.tokenizer, generation.prompt_logprobs[0], request.prompt_logprobs or 0
+            ),
         )
         return JSONResponse(response.model_dump())
 
@@ -151,6 +154,11 @@ class OpenAIIngress:
                     else completion_logprobs(self.tokenizer, logprobs, request.logprobs, 0),
                     "finish_reason": seq.finish_reason,
                     "stop_reason": seq.stop_reason,
+                    "prompt_logprobs": prompt_logprobs(
+                        self.tokenizer,
+                        generation.prompt_logprobs[index // request.n],
+                        request.prompt_logprobs or 0,
+                    ),
                 }
             )
         response = CompletionResponse(

@@ -52,6 +52,8 @@ class SamplingFields(OpenAIModel):
     allowed_token_ids: list[int] | None = Field(None, max_length=MAX_LIST_PARAM)
     bad_words: list[str] | None = Field(None, max_length=MAX_LIST_PARAM)
     ignore_eos: bool = False
+    # vLLM's extension: logprobs of each prompt token (and the top-N there); not with stream.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -156,6 +158,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -164,6 +167,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

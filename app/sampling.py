@@ -90,7 +90,12 @@ def sampling_fields(
         "bad_words": request.bad_words,
         "detokenize": False,
         "logprobs": logprobs_count(request),
+        "prompt_logprobs": request.prompt_logprobs,
     }
+    if request.prompt_logprobs is not None and request.stream:
+        raise OpenAIError(
+            400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs"
+        )
     for name, value in (
         ("temperature", request.temperature),
         ("top_p", request.top_p),

@@ -7,6 +7,8 @@ string completing later would cut away).
 
 from __future__ import annotations
 
+from typing import Any
+
 from deployments.protocol import SeqDelta
 from neuron_runtime.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
@@ -91,6 +93,33 @@ def chat_logprobs(tokenizer: Tokenizer, items: list[TokenLogprobs], num_top: int
         }
         for token_id, entry in items
     ]
+
+
+def prompt_logprobs(
+    tokenizer: Tokenizer, entries: list[dict[int, float] | None] | None, num_top: int
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else {token id:
+    {logprob, rank, decoded_token}} for the top ``num_top`` and the prompt's own token."""
+    if entries is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)
+        ranks = {token_id: rank for rank, (token_id, _) in enumerate(ranked[:num_top], 1)}
+        out.append(
+            {
+                str(token_id): {
+                    "logprob": logprob,
+                    "rank": ranks.get(token_id),  # None: outside the top num_top
+                    "decoded_token": token_text(tokenizer, token_id),
+                }
+                for token_id, logprob in entry.items()
+            }
+        )
+    return out
 
 
 def completion_logprobs(

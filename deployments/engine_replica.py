@@ -106,4 +106,5 @@ def to_step_output(out: RequestOutput, with_queue_time: bool = False) -> StepOut
         finished=out.finished,
         error=out.error,
         queue_time_s=queue_time,
+        prompt_logprobs=out.prompt_logprobs,
     )

@@ -91,6 +91,8 @@ class StepOutput:
     # Disaggregated serving: on the prefill output, how long handing the KV over took; on
     # the first decode output, how the KV arrived.
     kv_transfer: KVTransferInfo | None = None
+    # prompt_logprobs asked: per prompt token (None for the first), on the first output.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # Multimodal serving, on the first output: what encoding the request's images cost.
     image_encodes: list[EncodeResult] | None = None
 

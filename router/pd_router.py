@@ -116,7 +116,8 @@ class PDRouter:
         decode_request = DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling,
+            # The prompt's logprobs came with the prefill output; decode does not redo them.
+            sampling={**request.sampling, "prompt_logprobs": None},
             output_token_ids=[t for seq in result.step.seqs for t in seq.token_ids],
             kv_ticket=result.kv_ticket,
             num_kv_bytes=result.num_kv_bytes,

@@ -205,6 +205,27 @@ def test_streaming_n2_seeded_equals_offline(pd_server, offline):
     wait_idle("pd", 2)
 
 
+def test_prompt_logprobs_come_from_the_prefill_replica(pd_server, offline):
+    body = dict(model=MODEL, prompt=QUESTIONS[1], max_tokens=6, temperature=0)
+    extra = {"extra_body": {"prompt_logprobs": 1}}
+    pd = client(pd_server, "/pd").completions.create(**body, **extra).choices[0]
+    colo = client(pd_server, "/colo").completions.create(**body, **extra).choices[0]
+    expected = offline.generate(
+        QUESTIONS[1], SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1)
+    )[0]
+    assert pd.text == colo.text == expected.outputs[0].text
+
+    def logprob_maps(choice) -> list[dict[int, float]]:  # noqa: ANN001
+        entries = choice.model_dump()["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(expected.prompt_token_ids)
+        return [{int(k): v["logprob"] for k, v in e.items()} for e in entries[1:]]
+
+    for served in (logprob_maps(pd), logprob_maps(colo)):
+        for got, want in zip(served, expected.prompt_logprobs[1:], strict=True):
+            assert got == pytest.approx(want, abs=1e-4)
+    wait_idle("pd", 2)
+
+
 def test_bad_parameters_are_400_through_the_router(pd_server):
     url = f"{pd_server}/pd/v1/completions"
     too_long = {"model": MODEL, "prompt": [5] * MAX_MODEL_LEN, "max_tokens": 1}

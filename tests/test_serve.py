@@ -211,6 +211,56 @@ def test_logprobs_chat_and_completion(client):
     assert "".join(logprobs.tokens) == comp.choices[0].text
 
 
+def test_prompt_logprobs_equal_transformers(server, client):
+    """vLLM's prompt_logprobs extension against a fresh transformers forward pass."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from neuron_runtime.model_store import resolve_model
+
+    prompt = "The quick brown fox jumps over the lazy dog because"
+    comp = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    comp_entries = comp.choices[0].model_dump()["prompt_logprobs"]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    chat_entries = chat.model_dump()["prompt_logprobs"]
+
+    path = resolve_model(MODEL)
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    for entries, ids, num_top in (
+        (comp_entries, _tokenize(server, prompt=prompt), 2),
+        (chat_entries, _tokenize(server, messages=QUESTION), 0),
+    ):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        assert len(entries) == len(ids) and entries[0] is None
+        for i in range(1, len(ids)):
+            entry = {int(k): v for k, v in entries[i].items()}
+            expected = logprobs[i - 1]
+            assert entry[ids[i]]["logprob"] == pytest.approx(float(expected[ids[i]]), abs=1e-3)
+            top = torch.topk(expected, 2).indices.tolist()[:num_top]
+            ranked = sorted(
+                (t for t in entry if entry[t]["rank"] is not None), key=lambda t: entry[t]["rank"]
+            )
+            assert ranked == top, i
+    response = httpx.post(
+        f"{server}/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "stream": True, "prompt_logprobs": 1},
+        timeout=30,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "prompt_logprobs"
+
+
+def _tokenize(server: str, **body) -> list[int]:
+    response = httpx.post(f"{server}/tokenize", json={"model": MODEL, **body}, timeout=30)
+    return response.json()["tokens"]
+
+
 def test_bad_words_and_allowed_tokens_equal_offline_llm(client, offline_llm):
     from neuron_runtime import SamplingParams
 
