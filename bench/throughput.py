@@ -58,6 +58,7 @@ class Run:
     output_tokens: int
     latencies_s: list[float]  # finish time of each request, from the start of the workload
     cpu_s: float  # CPU time of the engine's process(es) during the run
+    cpu_s_by_process: dict[str, float] | None = None  # vLLM: front end, engine core, worker
 
 
 def _cpu_s() -> float:
@@ -173,7 +174,13 @@ class VLLMPeer:
         self.proc.stdin.write(json.dumps(asdict(workload)) + "\n")
         self.proc.stdin.flush()
         out = self._read()
-        return Run(out["elapsed_s"], out["output_tokens"], out["latencies_s"], out["cpu_s"])
+        return Run(
+            out["elapsed_s"],
+            out["output_tokens"],
+            out["latencies_s"],
+            out["cpu_s"],
+            out["cpu_s_by_process"],
+        )
 
     def close(self) -> None:
         assert self.proc.stdin is not None
