@@ -30,10 +30,9 @@ import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
+import numpy as np
+from local_cluster import start_local_serve, stop_local_serve
+from PIL import Image
 
 
 def make_png(seed: int, size: int) -> bytes:
@@ -94,22 +93,7 @@ async def load(send, items: list, concurrency: int) -> tuple[list, float]:  # no
 
 
 def start(args: argparse.Namespace) -> str:
-    import socket
-
-    import ray
-    from ray import serve
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=4,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = start_local_serve()
     for name in ("separate", "inline"):
         deploy(args, name, encoder_replicas=1)
     return f"http://127.0.0.1:{port}"
@@ -215,9 +199,6 @@ def main() -> None:
     parser.add_argument("--json", default="bench/results/multimodal.json")
     args = parser.parse_args()
 
-    import ray
-    from ray import serve
-
     base = start(args)
     try:
 
@@ -227,8 +208,7 @@ def main() -> None:
 
         ttfts, rates = asyncio.run(asyncio.wait_for(run(), args.max_duration_s))
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_serve()
     rows = {name: summary(values) for name, values in ttfts.items()}
     print(f"{'TTFT':<10}{'n':>5}{'mean ms':>10}{'p50 ms':>10}{'p90 ms':>10}")
     for name, row in rows.items():

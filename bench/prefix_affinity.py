@@ -16,11 +16,10 @@ import asyncio
 import json
 import os
 import random
-import socket
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from local_cluster import start_local_serve, stop_local_serve
 
 MODEL = "smollm2-135m-instruct"
 ROUTINGS = ("prefix_affinity", "power_of_two")
@@ -83,18 +82,13 @@ def main() -> None:
     parser.add_argument("--json", default="bench/results/prefix_affinity.json")
     args = parser.parse_args()
 
-    import ray
     from ray import serve
 
     from app.builder import BuildArgs, build_openai_app
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False)
     results: dict[str, list[dict]] = {r: [] for r in ROUTINGS}
+    port = start_local_serve()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         small = {"ray_actor_options": {"num_cpus": 0.1}}
         for routing in ROUTINGS:
             build = BuildArgs(
@@ -127,8 +121,7 @@ def main() -> None:
                 base = f"http://127.0.0.1:{port}/{routing}"
                 results[routing].append(asyncio.run(load(base, chats, args.concurrency)))
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_local_serve()
 
     print(
         f"{'prefill routing':<18}{'requests':>10}{'hit tokens':>12}{'queried':>10}{'hit rate':>10}"

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from local_cluster import start_local_serve, stop_local_serve
 
 MODEL = "smollm2-135m-instruct"
 # --configs names -> (BuildArgs.mode, DisaggregationArgs.kv_transport)
@@ -195,24 +195,11 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
 
 def start_server(args: argparse.Namespace) -> dict[str, str]:
     """A local cluster bound to 127.0.0.1 running each config without embeddings; name -> URL."""
-    import socket
-
-    import ray
     from ray import serve
 
     from app.builder import BuildArgs, DisaggregationArgs, build_openai_app
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=4,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = start_local_serve()
     small = {"ray_actor_options": {"num_cpus": 0.1}}
     urls = {}
     for name in args.configs.split(","):
@@ -348,11 +335,7 @@ def main() -> None:
         )
     finally:
         if started:
-            import ray
-            from ray import serve
-
-            serve.shutdown()
-            ray.shutdown()
+            stop_local_serve()
     if not args.no_direct:
         rows["direct"] = asyncio.run(
             asyncio.wait_for(direct_phase(args, prompts, slo), args.max_duration_s)

@@ -16,7 +16,7 @@ import torch
 from neuron_runtime.backends import Backend
 from neuron_runtime.config import EngineConfig
 from neuron_runtime.kv_transfer import KVPayload
-from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice
+from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice, decode_groups
 from neuron_runtime.loader import load_model
 from neuron_runtime.models.llava import LlavaForConditionalGeneration
 from neuron_runtime.models.registry import model_class
@@ -41,6 +41,11 @@ class ModelRunnerOutput:
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # req_id -> per predicted prompt token, {token id: logprob} (the actual token + top-N)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+def _decodes_first(seq: ScheduledSeq) -> tuple[bool, int]:
+    is_decode = len(seq.token_ids) == 1
+    return (not is_decode, seq.start_pos if is_decode else 0)
 
 
 def kv_bytes_per_block(config: EngineConfig) -> int:
@@ -131,8 +136,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        # Single-token slices (decodes) first: they are batched into one attention call.
-        seqs = sorted(out.seqs, key=lambda s: len(s.token_ids) != 1)
+        # Single-token slices (decodes) first, shortest context first: they are batched into
+        # a few attention calls by context length (layers/attention.py).
+        seqs = sorted(out.seqs, key=_decodes_first)
         for seq in seqs:
             if seq.kv_import is not None:
                 self.import_kv(seq.block_table, seq.kv_import)
@@ -285,28 +291,17 @@ class ModelRunner:
         num_decode: int,
         prefills: list[PrefillSlice],
     ) -> AttentionMetadata:
-        dev = self.device
-        if decodes:
-            max_blocks = max(-(-(s.start_pos + 1) // self.block_size) for s in decodes)
-            table = [
-                s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
-                for s in decodes
-            ]
-            context_lens = torch.tensor([s.start_pos + 1 for s in decodes], device=dev)
-            key_pos = torch.arange(max_blocks * self.block_size, device=dev)
-            decode_masked = (key_pos.unsqueeze(0) >= context_lens.unsqueeze(1)).unsqueeze(1)
-            block_ids = torch.tensor(table, device=dev).flatten()
-        else:
-            context_lens = torch.empty(0, dtype=torch.long, device=dev)
-            decode_masked = torch.empty(0, 1, 0, dtype=torch.bool, device=dev)
-            block_ids = torch.empty(0, dtype=torch.long, device=dev)
+        groups = decode_groups(
+            [s.block_table for s in decodes],
+            [s.start_pos + 1 for s in decodes],
+            self.block_size,
+            self.device,
+        )
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev),
+            slot_mapping=torch.tensor(slots, device=self.device),
             num_decode=num_decode,
-            decode_block_ids=block_ids,
-            decode_masked=decode_masked,
             prefills=prefills,
-            decode_context_lens=context_lens,
+            decode_groups=groups,
         )
 
     def _sampling_batch(self, seqs: list[ScheduledSeq]) -> SamplingBatch:

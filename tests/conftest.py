@@ -120,6 +120,15 @@ def tiny_llama3_tied_path(tmp_path_factory, default_model_path) -> Path:
     )
 
 
+def metric(text: str, name: str) -> float:
+    """The sum of a Prometheus text exposition's samples of ``name`` over all label sets."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -15,7 +15,13 @@ from conftest import TINY_FAMILIES, make_tiny_model
 from test_llama_vs_hf import hf_greedy, hf_model
 
 from neuron_runtime import LLM, SamplingParams
-from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice, prefill_mask
+from neuron_runtime.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSlice,
+    decode_groups,
+    prefill_mask,
+)
 from neuron_runtime.loader import load_hf_config, load_model
 from neuron_runtime.model_store import ASSEMBLED_ALIASES, resolve_model
 from neuron_runtime.models.registry import model_class
@@ -34,14 +40,6 @@ PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
     "1, 2, 3,",
 ]
-
-
-def _no_decode() -> dict:
-    return dict(
-        num_decode=0,
-        decode_block_ids=torch.empty(0, dtype=torch.long),
-        decode_masked=torch.empty(0, 1, 0, dtype=torch.bool),
-    )
 
 
 def stepped_logits(
@@ -73,8 +71,8 @@ def stepped_logits(
             blocks = torch.arange(-(-end // block_size))
             meta = AttentionMetadata(
                 slot_mapping=torch.arange(pos, end),
+                num_decode=0,
                 prefills=[PrefillSlice(0, end - pos, pos, blocks)],
-                **_no_decode(),
             )
         else:
             end = pos + 1
@@ -82,10 +80,8 @@ def stepped_logits(
             meta = AttentionMetadata(
                 slot_mapping=torch.tensor([pos]),
                 num_decode=1,
-                decode_block_ids=torch.arange(used),
-                decode_masked=(torch.arange(used * block_size) >= end).view(1, 1, -1),
                 prefills=[],
-                decode_context_lens=torch.tensor([end]),
+                decode_groups=decode_groups([list(range(used))], [end], block_size),
             )
         with torch.inference_mode():
             hidden = model(torch.tensor(token_ids[pos:end]), torch.arange(pos, end), caches, meta)
@@ -144,15 +140,14 @@ def test_sliding_window_mask_matches_transformers(window):
         assert torch.equal(mask, expected[start:]), start
     # Decodes: one query per sequence at position context_len - 1, keys padded to 16.
     context_lens = torch.arange(1, ctx + 1)
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        num_decode=ctx,
-        decode_block_ids=torch.empty(0, dtype=torch.long),
-        decode_masked=(torch.arange(16) >= context_lens.unsqueeze(1)).unsqueeze(1),
-        prefills=[],
-        decode_context_lens=context_lens,
+    group = DecodeGroup(
+        start=0,
+        num=ctx,
+        block_ids=torch.empty(0, dtype=torch.long),
+        masked=(torch.arange(16) >= context_lens.unsqueeze(1)).unsqueeze(1),
+        context_lens=context_lens,
     )
-    decode_visible = ~meta.decode_mask(window)[:, 0, :ctx]
+    decode_visible = ~group.mask(window)[:, 0, :ctx]
     assert torch.equal(decode_visible, expected)
 
 

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.ray
 
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
+from conftest import metric  # noqa: E402
 from ray import serve  # noqa: E402
 
 from neuron_runtime import LLM, AsyncEngine, SamplingParams  # noqa: E402
@@ -151,14 +152,6 @@ def wait_idle(app: str, num_prefill: int, timeout_s: float = 60.0) -> None:
             return
         assert time.monotonic() < deadline, f"not idle: {busy}, router KV refs {refs}"
         time.sleep(0.3)
-
-
-def metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 # -- correctness --------------------------------------------------------------------------

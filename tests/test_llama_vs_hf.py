@@ -44,8 +44,6 @@ def our_prompt_logits(path, token_ids: list[int]) -> torch.Tensor:
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n),
         num_decode=0,
-        decode_block_ids=torch.empty(0, dtype=torch.long),
-        decode_masked=torch.empty(0, 1, 0, dtype=torch.bool),
         prefills=[PrefillSlice(0, n, 0, torch.arange(num_blocks))],
     )
     with torch.inference_mode():

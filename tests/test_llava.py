@@ -147,8 +147,6 @@ def prompt_logits(
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n),
         num_decode=0,
-        decode_block_ids=torch.empty(0, dtype=torch.long),
-        decode_masked=torch.empty(0, 1, 0, dtype=torch.bool),
         prefills=[PrefillSlice(0, n, 0, torch.arange(shape[1]))],
     )
     with torch.inference_mode():

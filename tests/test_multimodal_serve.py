@@ -26,6 +26,7 @@ pytestmark = pytest.mark.ray
 
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
+from conftest import metric  # noqa: E402
 from PIL import Image  # noqa: E402
 from ray import serve  # noqa: E402
 
@@ -139,14 +140,6 @@ def wait_idle(app: str, timeout_s: float = 60.0) -> None:
             return
         assert time.monotonic() < deadline, f"{app} not idle: {busy}"
         time.sleep(0.3)
-
-
-def metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def transformers_greedy(chat: list[dict], images: list[bytes], max_tokens: int) -> str:

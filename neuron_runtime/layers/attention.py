@@ -29,37 +29,100 @@ class PrefillSlice:
     block_ids: torch.Tensor  # [num_blocks_needed] long
 
 
+# Decodes are split into at most this many groups by context length, each padded only to its
+# own longest context: gathering and attending over padding costs as much as real keys.
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP = 8  # rows; a smaller batch is one group
+MERGE_RATIO = 1.25  # adjacent groups whose longest contexts are this close become one
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes at rows ``[start, start + num)`` attending over one padded key length."""
+
+    start: int
+    num: int
+    block_ids: torch.Tensor  # [num * max_blocks] long, block tables padded and flattened
+    masked: torch.Tensor  # [num, 1, L] bool: key j is NOT visible to row b
+    context_lens: torch.Tensor  # [num] long: tokens in each context, its own included
+    # sliding_window -> ``masked`` plus the keys outside that window; built once per step.
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``masked``, with keys older than the window masked too: [num, 1, L] bool."""
+        if sliding_window is None:
+            return self.masked
+        mask = self._window_masks.get(sliding_window)
+        if mask is None:
+            key_pos = torch.arange(self.masked.shape[-1], device=self.masked.device)
+            first_visible = (self.context_lens - sliding_window).unsqueeze(1)  # [num, 1]
+            mask = self.masked | (key_pos.unsqueeze(0) < first_visible).unsqueeze(1)
+            self._window_masks[sliding_window] = mask
+        return mask
+
+
+def group_bounds(num_blocks: list[int]) -> list[tuple[int, int]]:
+    """(start, stop) row ranges for decodes sorted by ascending ``num_blocks``.
+
+    Equal-count groups (up to MAX_DECODE_GROUPS, at least MIN_DECODE_GROUP rows each), then
+    neighbours merged where padding the shorter one to the longer costs little.
+    """
+    n = len(num_blocks)
+    count = max(1, min(MAX_DECODE_GROUPS, n // MIN_DECODE_GROUP))
+    cuts = [n * i // count for i in range(count + 1)]
+    bounds = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+    merged = [bounds[0]]
+    for start, stop in bounds[1:]:
+        first, last = merged[-1]
+        if num_blocks[stop - 1] <= MERGE_RATIO * num_blocks[last - 1]:
+            merged[-1] = (first, stop)
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+def decode_groups(
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> list[DecodeGroup]:
+    """Attention metadata of a batch of decodes, rows ordered by ascending context length."""
+    if not context_lens:
+        return []
+    assert context_lens == sorted(context_lens), "decode rows must be sorted by context length"
+    num_blocks = [-(-n // block_size) for n in context_lens]
+    groups = []
+    for start, stop in group_bounds(num_blocks):
+        width = num_blocks[stop - 1]
+        table = [t[:width] + [0] * (width - len(t[:width])) for t in block_tables[start:stop]]
+        lens = torch.tensor(context_lens[start:stop], device=device)
+        key_pos = torch.arange(width * block_size, device=device)
+        groups.append(
+            DecodeGroup(
+                start=start,
+                num=stop - start,
+                block_ids=torch.tensor(table, device=device).flatten(),
+                masked=(key_pos.unsqueeze(0) >= lens.unsqueeze(1)).unsqueeze(1),
+                context_lens=lens,
+            )
+        )
+    return groups
+
+
 @dataclass
 class AttentionMetadata:
     """Built once per step by the model runner; shared by every layer.
 
-    Rows ``[0, num_decode)`` are single-token sequences (decodes), batched together. The rest
-    are prefill slices, each attending to its cached prefix plus itself, causally.
+    Rows ``[0, num_decode)`` are single-token sequences (decodes), batched together in
+    ``decode_groups``. The rest are prefill slices, each attending to its cached prefix plus
+    itself, causally.
     """
 
     slot_mapping: torch.Tensor  # [T] long: flat cache slot of each token
     num_decode: int
-    decode_block_ids: torch.Tensor  # [B * max_blocks] long, block tables flattened
-    decode_masked: torch.Tensor  # [B, 1, L] bool: key j is NOT visible to sequence b
     prefills: list[PrefillSlice]
-    # [B] long: tokens in each decode's context, its own included; sliding-window layers
-    # derive their extra mask from it.
-    decode_context_lens: torch.Tensor | None = None
-    # sliding_window -> decode_masked plus the keys outside that window; built once per step.
-    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """``decode_masked``, with keys older than the window masked too: [B, 1, L] bool."""
-        if sliding_window is None:
-            return self.decode_masked
-        mask = self._window_masks.get(sliding_window)
-        if mask is None:
-            assert self.decode_context_lens is not None, "sliding window needs context lengths"
-            key_pos = torch.arange(self.decode_masked.shape[-1], device=self.decode_masked.device)
-            first_visible = (self.decode_context_lens - sliding_window).unsqueeze(1)  # [B, 1]
-            mask = self.decode_masked | (key_pos.unsqueeze(0) < first_visible).unsqueeze(1)
-            self._window_masks[sliding_window] = mask
-        return mask
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
@@ -97,18 +160,18 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = q.new_empty(num_tokens, num_heads, head_dim)
 
-    nd = meta.num_decode
-    if nd:
-        keys = gather_kv(k_cache, meta.decode_block_ids, nd)  # [kvh, B, L, d]
-        values = gather_kv(v_cache, meta.decode_block_ids, nd)
+    for g in meta.decode_groups:
+        rows = slice(g.start, g.start + g.num)
+        keys = gather_kv(k_cache, g.block_ids, g.num)  # [kvh, B, L, d]
+        values = gather_kv(v_cache, g.block_ids, g.num)
         # Query heads of one KV head form a group: [B, qh, d] -> [kvh, B, group, d].
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim).transpose(0, 1)
+        qd = q[rows].view(g.num, num_kv_heads, group, head_dim).transpose(0, 1)
         scores = torch.matmul(qd, keys.transpose(-1, -2)) * scale  # [kvh, B, group, L]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        scores.masked_fill_(meta.decode_mask(sliding_window), float("-inf"))
+        scores.masked_fill_(g.mask(sliding_window), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[:nd] = torch.matmul(probs, values).transpose(0, 1).reshape(nd, num_heads, head_dim)
+        out[rows] = torch.matmul(probs, values).transpose(0, 1).reshape(g.num, num_heads, head_dim)
 
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)

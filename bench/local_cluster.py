@@ -1,0 +1,41 @@
+"""The local Ray cluster and Serve instance the serving benchmarks run their apps on.
+
+Everything binds to 127.0.0.1: Ray's own listeners through RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+(read when ray is imported, so it is set here before that) and the node address, Serve's HTTP
+proxy through its host. More logical CPUs than the machine's two, so that several small apps
+fit; their replicas mostly wait.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def start_local_serve(num_cpus: int = 4) -> int:
+    """Starts the cluster and Serve on a free port of 127.0.0.1; returns the port."""
+    import ray
+    from ray import serve
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=num_cpus,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+def stop_local_serve() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
