@@ -129,6 +129,19 @@ def metric(text: str, name: str) -> float:
     return total
 
 
+def busy_engines(stats: list[dict]) -> list[dict]:
+    """The engine replicas' stats snapshots that still show work or hold KV."""
+    return [
+        s
+        for s in stats
+        if s["num_running"]
+        or s["num_waiting"]
+        or s["num_unfinished_outputs"]
+        or s["num_kv_blocks_used"]
+        or s.get("num_kv_outbox")
+    ]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

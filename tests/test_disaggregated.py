@@ -30,7 +30,7 @@ pytestmark = pytest.mark.ray
 
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
-from conftest import metric  # noqa: E402
+from conftest import busy_engines, metric  # noqa: E402
 from ray import serve  # noqa: E402
 
 from neuron_runtime import LLM, AsyncEngine, SamplingParams  # noqa: E402
@@ -138,15 +138,7 @@ def wait_idle(app: str, num_prefill: int, timeout_s: float = 60.0) -> None:
             *replica_stats("PrefillServer", app, num_prefill).values(),
             *replica_stats("DecodeServer", app, 1).values(),
         ]
-        busy = [
-            s
-            for s in stats
-            if s["num_running"]
-            or s["num_waiting"]
-            or s["num_unfinished_outputs"]
-            or s["num_kv_blocks_used"]
-            or s.get("num_kv_outbox")
-        ]
+        busy = busy_engines(stats)
         refs = router_kv_refs(app)
         if not busy and refs == 0:
             return

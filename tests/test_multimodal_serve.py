@@ -26,7 +26,7 @@ pytestmark = pytest.mark.ray
 
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
-from conftest import metric  # noqa: E402
+from conftest import busy_engines, metric  # noqa: E402
 from PIL import Image  # noqa: E402
 from ray import serve  # noqa: E402
 
@@ -122,14 +122,7 @@ def wait_idle(app: str, timeout_s: float = 60.0) -> None:
     while True:
         names = ["PrefillServer", "DecodeServer"] if app in APPS else ["LLMServer"]
         stats = [engine_stats(name, app) for name in names]
-        busy = [
-            s
-            for s in stats
-            if s["num_running"]
-            or s["num_waiting"]
-            or s["num_unfinished_outputs"]
-            or s["num_kv_blocks_used"]
-        ]
+        busy = busy_engines(stats)
         if app in APPS:
             router = serve.get_deployment_handle("PDRouter", app_name=app)
             refs = sum(s.get("num_kv_refs_held", 0) for s in router.stats.remote().result())
