@@ -369,11 +369,17 @@ class OpenAIIngress:
             conversation.append({"role": message.role, "content": content or ""})
         try:
             check_image_count(len(pending), self.image_limits, "messages")
-            images = await asyncio.gather(
-                *(load_image_url(url, self.image_limits, param) for url, param in pending)
-            )
-        except ImageInputError as exc:
+            # A task group: the first refused image cancels the other downloads.
+            async with asyncio.TaskGroup() as group:
+                loads = [
+                    group.create_task(load_image_url(url, self.image_limits, param))
+                    for url, param in pending
+                ]
+        except* ImageInputError as refused:
+            exc = refused.exceptions[0]
+            assert isinstance(exc, ImageInputError)
             raise OpenAIError(exc.status_code, exc.message, param=exc.param) from exc
+        images = [load.result() for load in loads]
         try:
             ids = self.tokenizer.encode_chat(conversation)
         except UnicodeError as exc:
@@ -384,7 +390,7 @@ class OpenAIIngress:
             ) from exc
         if self.vision is None:
             return ids, []
-        return self._place_images(ids, list(images))
+        return self._place_images(ids, images)
 
     def _place_images(
         self, ids: list[int], images: list[ImageData]
