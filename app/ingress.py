@@ -49,7 +49,7 @@ from app.sampling import Limits, check_prompt_ids, sampling_fields, stop_strings
 from app.text import SequenceText, chat_logprobs, completion_logprobs, prompt_logprobs
 from deployments.protocol import GenerateRequest, ImagePart
 from neuron_runtime.engine_args import EngineArgs
-from neuron_runtime.multimodal import expand_image_tokens, vision_spec
+from neuron_runtime.multimodal import place_images, vision_spec
 from neuron_runtime.tokenizer import Tokenizer
 
 
@@ -397,19 +397,11 @@ class OpenAIIngress:
     ) -> tuple[list[int], list[ImagePart]]:
         assert self.vision is not None
         try:
-            ids, spans = expand_image_tokens(
-                ids, self.vision.image_token_id, self.vision.tokens_per_image
+            ids, spans = place_images(
+                ids, self.vision.image_token_id, self.vision.tokens_per_image, len(images)
             )
         except ValueError as exc:
             raise OpenAIError(400, f"messages: {exc}", "messages") from exc
-        if len(spans) != len(images):
-            # Text that spells the image token, or a template that drops image parts.
-            raise OpenAIError(
-                400,
-                f"messages: the prompt holds {len(spans)} image placeholders for "
-                f"{len(images)} images",
-                "messages",
-            )
         parts = [
             ImagePart(offset, length, image.content_hash, data=image.data)
             for (offset, length), image in zip(spans, images, strict=True)

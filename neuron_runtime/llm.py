@@ -11,7 +11,7 @@ from typing import Any, Literal, cast
 from neuron_runtime.embedding import EmbeddingEngine, EmbeddingResult
 from neuron_runtime.engine import LLMEngine, PromptType
 from neuron_runtime.engine_args import EngineArgs
-from neuron_runtime.multimodal import MultiModalInput, expand_image_tokens, hash_image
+from neuron_runtime.multimodal import MultiModalInput, hash_image, place_images
 from neuron_runtime.outputs import RequestOutput, RequestOutputKind
 from neuron_runtime.sampling_params import SamplingParams
 
@@ -154,12 +154,7 @@ class LLM:
             ids = list(prompt["prompt_token_ids"])
         else:
             ids = self.engine.tokenizer.encode(prompt["prompt"])
-        ids, spans = expand_image_tokens(ids, vision.image_token_id, vision.tokens_per_image)
-        if len(spans) != len(images):
-            raise ValueError(
-                f"the prompt has {len(spans)} image placeholders but {len(images)} images "
-                "were given"
-            )
+        ids, spans = place_images(ids, vision.image_token_id, vision.tokens_per_image, len(images))
         mm_inputs = [
             MultiModalInput(offset, length, hash_image(image), image=image)
             for (offset, length), image in zip(spans, images, strict=True)

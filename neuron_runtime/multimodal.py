@@ -242,15 +242,18 @@ class MultiModalInput:
     image: RawImage | None = None  # raw: the engine encodes it at admission
 
 
+def images_overlapping(
+    mm_inputs: list[MultiModalInput], start: int, end: int
+) -> list[MultiModalInput]:
+    """The images with placeholders in positions [start, end)."""
+    return [m for m in mm_inputs if m.offset < end and m.offset + m.length > start]
+
+
 def images_in_range(
     mm_inputs: list[MultiModalInput], start: int, end: int
 ) -> tuple[tuple[str, int], ...]:
     """(content hash, offset) of each image with placeholders in positions [start, end)."""
-    return tuple(
-        (m.content_hash, m.offset)
-        for m in mm_inputs
-        if m.offset < end and m.offset + m.length > start
-    )
+    return tuple((m.content_hash, m.offset) for m in images_overlapping(mm_inputs, start, end))
 
 
 def expand_image_tokens(
@@ -279,6 +282,19 @@ def expand_image_tokens(
             out.extend([image_token_id] * tokens_per_image)
         i = run
     return out, spans
+
+
+def place_images(
+    token_ids: list[int], image_token_id: int, tokens_per_image: int, num_images: int
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """``expand_image_tokens``, then ValueError unless the prompt holds one image per image
+    given (text that spells the image token, or a template that drops image parts)."""
+    ids, spans = expand_image_tokens(token_ids, image_token_id, tokens_per_image)
+    if len(spans) != num_images:
+        raise ValueError(
+            f"the prompt has {len(spans)} image placeholders but {num_images} images were given"
+        )
+    return ids, spans
 
 
 def check_placeholders(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from neuron_runtime.config import SchedulerConfig
 from neuron_runtime.kv_cache import KVCacheManager
 from neuron_runtime.kv_transfer import KVPayload
-from neuron_runtime.multimodal import MultiModalInput
+from neuron_runtime.multimodal import MultiModalInput, images_overlapping
 from neuron_runtime.request import Request, RequestStatus
 from neuron_runtime.sampling_params import SamplingParams
 
@@ -175,7 +175,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids if penalized else [],
             prompt_logprob_targets=targets,
             prompt_logprob_offset=offset,
-            mm_inputs=_images_in(request, start, end) if request.mm_inputs else [],
+            mm_inputs=images_overlapping(request.mm_inputs, start, end),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -234,7 +234,3 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         return request
-
-
-def _images_in(request: Request, start: int, end: int) -> list[MultiModalInput]:
-    return [m for m in request.mm_inputs if m.offset < end and m.offset + m.length > start]

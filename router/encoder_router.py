@@ -55,3 +55,6 @@ class EncoderRouter:
             for part in images
         ]
         return encoded, results
+
+    async def check_health(self) -> None:
+        await self.encoder.check_health.remote()

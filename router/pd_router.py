@@ -177,7 +177,7 @@ class PDRouter:
             self.decode.options(stream=False).check_health.remote(),
         ]
         if self.encoder is not None:
-            probes.append(self.encoder.encoder.check_health.remote())
+            probes.append(self.encoder.check_health())
         await asyncio.gather(*probes)
 
 
