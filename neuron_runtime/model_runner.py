@@ -291,17 +291,21 @@ class ModelRunner:
         num_decode: int,
         prefills: list[PrefillSlice],
     ) -> AttentionMetadata:
-        groups = decode_groups(
-            [s.block_table for s in decodes],
-            [s.start_pos + 1 for s in decodes],
-            self.block_size,
-            self.device,
-        )
+        slot_mapping = torch.tensor(slots, device=self.device)
+        tables = [s.block_table for s in decodes]
+        lens = [s.start_pos + 1 for s in decodes]
+        kernels = self.backend.kernels
+        if kernels is None:
+            groups = decode_groups(tables, lens, self.block_size, self.device)
+            return AttentionMetadata(slot_mapping, num_decode, prefills, decode_groups=groups)
+        width = max((-(-n // self.block_size) for n in lens), default=0)
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device),
-            num_decode=num_decode,
-            prefills=prefills,
-            decode_groups=groups,
+            slot_mapping,
+            num_decode,
+            prefills,
+            kernels=kernels,
+            decode_tables=torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables]),
+            decode_lens=torch.tensor(lens),
         )
 
     def _sampling_batch(self, seqs: list[ScheduledSeq]) -> SamplingBatch:

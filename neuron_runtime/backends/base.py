@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from neuron_runtime.backends.cpu_kernels import CPUKernels
+
 # name -> "module:Class", imported on first use
 _BACKENDS = {
     "cpu": "neuron_runtime.backends.cpu:CPUBackend",
@@ -23,6 +25,7 @@ class Backend(Protocol):
 
     name: str
     device: torch.device
+    kernels: CPUKernels | None  # fused CPU kernels the model's layers and attention use
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Moves a loaded model onto the device and readies it for inference."""

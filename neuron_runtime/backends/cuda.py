@@ -12,6 +12,7 @@ class CUDABackend:
         if not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch sees no CUDA GPU")
         self.device = torch.device("cuda")
+        self.kernels = None  # the fused kernels are CPU code
         if num_threads is not None:
             torch.set_num_threads(num_threads)
 

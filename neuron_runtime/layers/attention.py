@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from neuron_runtime.backends.cpu_kernels import CPUKernels
+
 
 @dataclass
 class PrefillSlice:
@@ -115,7 +117,8 @@ class AttentionMetadata:
     """Built once per step by the model runner; shared by every layer.
 
     Rows ``[0, num_decode)`` are single-token sequences (decodes), batched together in
-    ``decode_groups``. The rest are prefill slices, each attending to its cached prefix plus
+    ``decode_groups``, or, with the CPU ``kernels``, in one fused call over ``decode_tables``
+    and ``decode_lens``. The rest are prefill slices, each attending to its cached prefix plus
     itself, causally.
     """
 
@@ -123,6 +126,9 @@ class AttentionMetadata:
     num_decode: int
     prefills: list[PrefillSlice]
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    kernels: CPUKernels | None = None
+    decode_tables: torch.Tensor | None = None  # [num_decode, max_blocks] long, zero-padded
+    decode_lens: torch.Tensor | None = None  # [num_decode] long, the new token included
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
@@ -153,12 +159,28 @@ def paged_attention(
     ``softcap`` (Gemma) squashes the scaled scores into (-softcap, softcap) with
     ``softcap * tanh(score / softcap)`` before the mask and softmax.
     """
-    write_kv(k_cache, meta.slot_mapping, k)
-    write_kv(v_cache, meta.slot_mapping, v)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     out = q.new_empty(num_tokens, num_heads, head_dim)
+    kernels = meta.kernels
+    if kernels is not None:
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.num_decode:
+            assert meta.decode_tables is not None and meta.decode_lens is not None
+            out[: meta.num_decode] = kernels.decode_attention(
+                q[: meta.num_decode],
+                k_cache,
+                v_cache,
+                meta.decode_tables,
+                meta.decode_lens,
+                scale,
+                sliding_window,
+                softcap,
+            )
+    else:
+        write_kv(k_cache, meta.slot_mapping, k)
+        write_kv(v_cache, meta.slot_mapping, v)
 
     for g in meta.decode_groups:
         rows = slice(g.start, g.start + g.num)

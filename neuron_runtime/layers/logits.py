@@ -5,13 +5,19 @@ reading the weight as ``[hidden, vocab]`` (contiguous along the vocab axis) runs
 faster than ``F.linear`` on ``[vocab, hidden]``. Many rows are a GEMM whose output
 (rows x 49k floats) spills the cache; computing it in slabs of vocab rows keeps each slab's
 output hot and runs about 1.4x faster than one ``F.linear``. The head keeps both layouts
-(one extra copy of the embedding matrix) and picks per call.
+(one extra copy of the embedding matrix, made on first use) and picks per call.
+
+With the CPU kernels (``kernels``, set by the CPU backend) up to ``LINEAR_MAX_ROWS`` rows go
+through ``kernels.linear`` on the ``[vocab, hidden]`` weight itself, faster still, and the
+transposed copy is never made.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from neuron_runtime.backends.cpu_kernels import CPUKernels
 
 GEMV_MAX_ROWS = 4
 VOCAB_SLAB = 1024
@@ -20,16 +26,23 @@ VOCAB_SLAB = 1024
 class LogitsHead(nn.Module):
     """Computes ``hidden @ weight.T`` for a ``[vocab, hidden]`` weight owned elsewhere."""
 
+    kernels: CPUKernels | None = None
+
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("weight_t", torch.empty(0), persistent=False)
 
     def refresh(self, weight: torch.Tensor) -> None:
-        """Rebuilds the transposed copy; call after the weight is loaded or moved."""
-        self.weight_t = weight.detach().t().contiguous()
+        """Drops the transposed copy; call after the weight is loaded or moved."""
+        self.weight_t = torch.empty(0, device=weight.device)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] <= GEMV_MAX_ROWS:
+        rows = hidden.shape[0]
+        if self.kernels is not None and rows <= self.kernels.LINEAR_MAX_ROWS:
+            return self.kernels.linear(hidden.contiguous(), weight, None)
+        if rows <= GEMV_MAX_ROWS:
+            if self.weight_t.shape != weight.t().shape:
+                self.weight_t = weight.detach().t().contiguous()
             return hidden @ self.weight_t
         vocab = weight.shape[0]
         out = hidden.new_empty(hidden.shape[0], vocab)

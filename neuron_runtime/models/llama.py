@@ -14,10 +14,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from neuron_runtime.backends.cpu_kernels import CPUKernels
 from neuron_runtime.layers.activation import activation
 from neuron_runtime.layers.attention import AttentionMetadata, paged_attention
+from neuron_runtime.layers.linear import Linear
 from neuron_runtime.layers.logits import LogitsHead
 from neuron_runtime.layers.norm import RMSNorm
 from neuron_runtime.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -32,6 +35,8 @@ class LlamaAttention(nn.Module):
     ``qkv_bias`` overrides the config's ``attention_bias`` for q/k/v only (Qwen2).
     """
 
+    kernels: CPUKernels | None = None  # set by the CPU backend: fused rotary
+
     def __init__(
         self, cfg: dict[str, Any], layer_idx: int = 0, qkv_bias: bool | None = None
     ) -> None:
@@ -45,8 +50,8 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         bias = bool(cfg.get("attention_bias", False))
         qkv_bias = bias if qkv_bias is None else qkv_bias
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=bias)
         self.sliding_window: int | None = None  # sees only the last this-many positions
         self.softcap: float | None = None  # tanh cap on attention scores (Gemma)
 
@@ -74,22 +79,30 @@ class LlamaAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """Applies rotary positions to q and k; families with q/k norms override this."""
+        if self.kernels is not None:  # in place: qk is this layer's own projection
+            cos, sin = rope
+            return self.kernels.rotary_(qk, cos.view(qk.shape[0], -1), sin.view(qk.shape[0], -1), qk.shape[1])
         return apply_rotary(qk, *rope)
 
 
 class LlamaMLP(nn.Module):
     """Gated MLP, ``down(act(gate(x)) * up(x))``; ``hidden_act`` defaults to the config's."""
 
+    kernels: CPUKernels | None = None  # set by the CPU backend: fused silu(gate) * up
+
     def __init__(self, cfg: dict[str, Any], hidden_act: str | None = None) -> None:
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         self.act_fn = activation(hidden_act or cfg.get("hidden_act", "silu"))
         self.intermediate_size = inter
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and self.act_fn is F.silu:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -186,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+            self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.logits_head = LogitsHead()
 
     def build_model(self, cfg: dict[str, Any]) -> LlamaModel:

@@ -1,0 +1,232 @@
+"""Fused CPU kernels (``cpu_kernels.c``): compiled on first use, called through ctypes.
+
+``kernels()`` returns them, or None when they are off: ``NEURON_CPU_KERNELS=0``, no C compiler
+(``$CC``, else ``cc``), or a failed build (warned once). Every caller keeps its torch path for
+None, so the engine runs the same everywhere, only slower without them.
+
+The shared library is cached under ``$NEURON_SERVE_CACHE/kernels``, keyed by the source, the
+compiler flags and the CPU's feature flags (it is built for this CPU, ``-march=native``).
+The object is compiled with ``-ffast-math`` (vectorized ``expf``, reordered sums) but linked
+without it, so loading the library does not switch the process to flush-to-zero floats.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from neuron_runtime.model_store import cache_dir
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11"]
+BUILD_TIMEOUT_S = 120
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "linear_rows": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
+    "silu_and_mul": [_ptr, _ptr, _i64, _i64],
+    "rotary_in_place": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+    "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+    "paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
+    + [_i64] * 7
+    + [_f32, _i64, _f32],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compiles SOURCE into ``target`` atomically (replicas may build at the same time)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
+        for cmd in (
+            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [compiler, "-shared", str(obj), "-o", str(lib), "-lm"],
+        ):
+            subprocess.run(cmd, check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
+        os.replace(lib, target)
+
+
+class CPUKernels:
+    """Tensor-level wrappers; inputs must be contiguous fp32 CPU tensors (asserted)."""
+
+    # Up to this many rows ``linear`` beats MKL's GEMM, which packs its operands first (1.4-2x
+    # at 1-8 rows on SmolLM2's shapes); from 16 rows on MKL is as fast or faster.
+    LINEAR_MAX_ROWS = 8
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self._lib = lib
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` for ``x`` [m, in], ``weight`` [out, in]; for small m."""
+        assert x.is_contiguous() and weight.is_contiguous()
+        assert bias is None or bias.is_contiguous()
+        rows, width = x.shape
+        out = x.new_empty(rows, weight.shape[0])
+        self._lib.linear_rows(
+            x.data_ptr(),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            width,
+            weight.shape[0],
+        )
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``x += residual`` in place (when given); returns ``rms_norm(x) * weight``."""
+        assert x.is_contiguous() and (residual is None or residual.is_contiguous())
+        out = torch.empty_like(x)
+        hidden = x.shape[-1]
+        self._lib.add_rms_norm(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.numel() // hidden,
+            hidden,
+            eps,
+        )
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a ``[T, 2 * I]`` tensor holding gate then up; ``[T, I]``."""
+        assert gate_up.is_contiguous()
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self._lib.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+    def rotary_(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
+    ) -> torch.Tensor:
+        """Rotates heads ``[0, heads)`` of ``x`` [T, H, d] in place; cos/sin [T, d/2]."""
+        rows, _, d = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == d and cos.is_contiguous()
+        assert sin.is_contiguous()
+        self._lib.rotary_in_place(
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, x.stride(0), d
+        )
+        return x
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [T, kvh, d], rows may be strided
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [kvh, num_blocks, block_size, d]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] long
+    ) -> None:
+        """Stores this step's keys and values at their flat cache slots."""
+        rows, kv_heads, d = k.shape
+        for t in (k, v):
+            assert t.stride(2) == 1 and t.stride(1) == d
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+        self._lib.write_kv(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slot_mapping.data_ptr(),
+            rows,
+            kv_heads,
+            d,
+            k_cache.shape[1] * k_cache.shape[2],
+        )
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,  # [n, heads, d], rows may be strided
+        k_cache: torch.Tensor,  # [kvh, num_blocks, block_size, d]
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [n, max_blocks] long
+        context_lens: torch.Tensor,  # [n] long
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """One token per sequence over its paged cache; returns ``[n, heads, d]``."""
+        n, heads, d = q.shape
+        kv_heads, num_blocks, block_size, _ = k_cache.shape
+        assert q.stride(2) == 1 and q.stride(1) == d
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert block_tables.dtype == context_lens.dtype == torch.int64
+        assert block_tables.is_contiguous() and context_lens.is_contiguous()
+        out = q.new_empty(n, heads, d)
+        self._lib.paged_decode_attention(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            n,
+            heads,
+            kv_heads,
+            d,
+            num_blocks,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            sliding_window or 0,
+            softcap or 0.0,
+        )
+        return out
+
+
+@functools.cache
+def kernels() -> CPUKernels | None:
+    """The compiled kernels, built on first call; None when off or unbuildable."""
+    if os.environ.get("NEURON_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        warnings.warn("no C compiler found: the CPU backend uses its torch kernels", stacklevel=2)
+        return None
+    key = hashlib.sha256(
+        b"\0".join(
+            [SOURCE.read_bytes(), " ".join(COMPILE_FLAGS).encode(), _cpu_flags().encode()]
+        )
+    ).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
+    try:
+        if not target.is_file():
+            _build(compiler, target)
+        return CPUKernels(ctypes.CDLL(str(target)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        warnings.warn(
+            f"building the CPU kernels failed ({exc}; {detail.decode(errors='replace')[-500:]}):"
+            " the CPU backend uses its torch kernels",
+            stacklevel=2,
+        )
+        return None
