@@ -299,13 +299,14 @@ class ModelRunner:
             groups = decode_groups(tables, lens, self.block_size, self.device)
             return AttentionMetadata(slot_mapping, num_decode, prefills, decode_groups=groups)
         width = max((-(-n // self.block_size) for n in lens), default=0)
+        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
         return AttentionMetadata(
             slot_mapping,
             num_decode,
             prefills,
             kernels=kernels,
-            decode_tables=torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables]),
-            decode_lens=torch.tensor(lens),
+            decode_tables=torch.tensor(padded, dtype=torch.long),
+            decode_lens=torch.tensor(lens, dtype=torch.long),
         )
 
     def _sampling_batch(self, seqs: list[ScheduledSeq]) -> SamplingBatch:

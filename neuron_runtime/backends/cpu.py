@@ -25,7 +25,7 @@ def attach_kernels(model: nn.Module, fused: CPUKernels | None) -> None:
     """Hands the fused kernels to every module that has a place for them (``kernels``)."""
     for module in model.modules():
         if "kernels" in dir(type(module)):
-            module.kernels = fused
+            setattr(module, "kernels", fused)  # noqa: B010 (a plain attribute, not a Module)
 
 
 class CPUBackend:

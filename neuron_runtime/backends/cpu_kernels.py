@@ -213,9 +213,7 @@ def kernels() -> CPUKernels | None:
         warnings.warn("no C compiler found: the CPU backend uses its torch kernels", stacklevel=2)
         return None
     key = hashlib.sha256(
-        b"\0".join(
-            [SOURCE.read_bytes(), " ".join(COMPILE_FLAGS).encode(), _cpu_flags().encode()]
-        )
+        b"\0".join([SOURCE.read_bytes(), " ".join(COMPILE_FLAGS).encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     try:

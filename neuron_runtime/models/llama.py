@@ -80,8 +80,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Applies rotary positions to q and k; families with q/k norms override this."""
         if self.kernels is not None:  # in place: qk is this layer's own projection
-            cos, sin = rope
-            return self.kernels.rotary_(qk, cos.view(qk.shape[0], -1), sin.view(qk.shape[0], -1), qk.shape[1])
+            rows, heads = qk.shape[:2]
+            cos, sin = (t.view(rows, -1) for t in rope)
+            return self.kernels.rotary_(qk, cos, sin, heads)
         return apply_rotary(qk, *rope)
 
 
