@@ -17,6 +17,7 @@ from neuron_runtime.layers.attention import (
     decode_groups,
     paged_attention,
 )
+from neuron_runtime.layers.linear import Linear
 from neuron_runtime.layers.rotary import apply_rotary
 
 # Reordered fp32 sums (vectorized dot products): this close to torch, relative to the scale.
@@ -31,16 +32,28 @@ def k() -> cpu_kernels.CPUKernels:
     return fused
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+# Every tile shape (8, 4, 2, 1 rows and their sums), more than one row block, partial panels.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 15, 23, 64, 77, 130])
 @pytest.mark.parametrize("width,out", [(1, 1), (7, 5), (64, 67), (129, 130)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear(k, rows, width, out, bias):
+def test_packed_linear_matches_f_linear(k, rows, width, out, bias):
     g = torch.Generator().manual_seed(rows * 1000 + width + out)
     x = torch.randn(rows, width, generator=g)
     w = torch.randn(out, width, generator=g)
     b = torch.randn(out, generator=g) if bias else None
     expected = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
-    torch.testing.assert_close(k.linear(x, w, b), expected, atol=ATOL * width**0.5, rtol=1e-5)
+    got = k.linear(x, k.pack(w), b, out)
+    torch.testing.assert_close(got, expected, atol=ATOL * width**0.5, rtol=1e-5)
+
+
+def test_linear_layer_on_kernels_keeps_only_the_packed_weight(k):
+    torch.manual_seed(7)
+    layer = Linear(48, 40, bias=True)
+    x = torch.randn(2, 3, 48)  # leading dimensions are flattened and restored
+    expected = F.linear(x, layer.weight, layer.bias)
+    layer.attach(k)
+    assert layer.weight.numel() == 0 and layer.packed is not None
+    torch.testing.assert_close(layer(x), expected, atol=ATOL, rtol=1e-5)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])

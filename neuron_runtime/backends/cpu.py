@@ -14,17 +14,21 @@ def to_input_major(model: nn.Module) -> None:
     ``F.linear`` then multiplies by a contiguous ``[in, out]`` matrix. For one row (decode at
     batch 1, a GEMV that streams every weight once) MKL runs this layout about 20% faster on
     the target CPUs; for batched rows the two layouts are on par. Only without the CPU
-    kernels: their GEMV is faster still and reads the ``[out, in]`` layout.
+    kernels, which pack the weights into a layout of their own.
     """
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
-def attach_kernels(model: nn.Module, fused: CPUKernels | None) -> None:
-    """Hands the fused kernels to every module that has a place for them (``kernels``)."""
+def attach_kernels(model: nn.Module, fused: CPUKernels) -> None:
+    """Hands the fused kernels to every module that has a place for them (``kernels``);
+    modules with an ``attach`` method (``layers.linear.Linear``) also repack their weights."""
     for module in model.modules():
-        if "kernels" in dir(type(module)):
+        attach = getattr(module, "attach", None)
+        if attach is not None:
+            attach(fused)
+        elif "kernels" in dir(type(module)):
             setattr(module, "kernels", fused)  # noqa: B010 (a plain attribute, not a Module)
 
 
@@ -43,7 +47,7 @@ class CPUBackend:
         model = model.float().eval()
         if self.kernels is None:
             to_input_major(model)
-        else:  # kernels.linear reads weights in torch's own [out, in] layout
+        else:  # the kernels pack the weights into their own layout
             attach_kernels(model, self.kernels)
         return model
 

@@ -1,8 +1,9 @@
 /*
- * Fused fp32 kernels for the CPU backend's per-token work: the parts of a layer that are not
- * GEMMs. In plain torch each of them is a chain of small ops (an RMSNorm is seven, decode
- * attention a gather copy plus a dozen more), and at batch 1 the dispatch of those ops costs
- * a fifth of a decode step. Each kernel here reads its inputs once and writes its output once.
+ * Fused fp32 kernels for the CPU backend: the linear layers on pre-packed weights, and the
+ * per-token work between them. In plain torch each of the latter is a chain of small ops (an
+ * RMSNorm is seven, decode attention a gather copy plus a dozen more), and at batch 1 the
+ * dispatch of those ops costs a fifth of a decode step. Each kernel here reads its inputs once
+ * and writes its output once.
  *
  * cpu_kernels.py compiles this file on first use and calls it through ctypes; every kernel has
  * a torch twin (layers/) that is used when no C compiler is present and that the tests compare
@@ -13,55 +14,71 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
-    return sum;
+/*
+ * y = x @ w^T + bias for any number of rows, on weights packed once into panels
+ * (cpu_kernels.py, CPUKernels.pack): panel p holds output columns [p * PANEL, p * PANEL +
+ * PANEL) as [in, PANEL], so w[p * PANEL + j, i] is packed[(p * in + i) * PANEL + j], zero-padded
+ * past `out`. x [m, in], bias [out] or NULL, y [m, out].
+ *
+ * A tile is up to TILE_ROWS rows of x times one panel: for each i, the panel's PANEL weights
+ * (two vectors) are loaded once and multiplied by every row's x[r, i], into TILE_ROWS x 2
+ * vector sums held in registers. A panel (at most `in` x 128 bytes) stays in L2 while all the
+ * row tiles of a ROW_BLOCK go through it, so the weights stream from memory once per ROW_BLOCK
+ * rows; at one row this is a GEMV bound by that stream.
+ */
+#define PANEL 32
+#define TILE_ROWS 8
+#define ROW_BLOCK 64
+
+typedef float vec16 __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t in,
+                                                       const float *panel, const float *bias,
+                                                       float *y, int64_t out, int64_t cols,
+                                                       int rows) {
+    vec16 acc[TILE_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (vec16){0};
+    for (int64_t i = 0; i < in; i++) {
+        const vec16 w0 = *(const vec16 *)(panel + i * PANEL);
+        const vec16 w1 = *(const vec16 *)(panel + i * PANEL + 16);
+        for (int r = 0; r < rows; r++) {
+            const float xi = x[r * in + i];
+            acc[r][0] += xi * w0;
+            acc[r][1] += xi * w1;
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float sums[PANEL], *yr = y + r * out;
+        memcpy(sums, acc[r], sizeof(sums));
+        for (int64_t j = 0; j < cols; j++) yr[j] = bias != NULL ? sums[j] + bias[j] : sums[j];
+    }
 }
 
-/*
- * y = x @ w^T + bias for the few rows of a decode step: x [m, in], w [out, in] (torch's
- * Linear layout), bias [out] or NULL, y [m, out]. A GEMV-shaped product is bound by reading
- * w, so every weight row is read from memory once and dotted with each input row while it is
- * in cache. One row is a plain dot per weight row; more rows go 4 weight rows by 2 input rows
- * at a time (8 independent sums keep both FMA pipes busy).
- */
-void linear_rows(const float *x, const float *w, const float *bias, float *y, int64_t m,
-                 int64_t in, int64_t out) {
-    if (m == 1) {
-        for (int64_t j = 0; j < out; j++) y[j] = dot(w + j * in, x, in);
-    } else {
-        int64_t j = 0;
-        for (; j + 4 <= out; j += 4) {
-            const float *w0 = w + j * in, *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
-            int64_t r = 0;
-            for (; r + 2 <= m; r += 2) {
-                const float *xa = x + r * in, *xb = xa + in;
-                float a0 = 0, a1 = 0, a2 = 0, a3 = 0, b0 = 0, b1 = 0, b2 = 0, b3 = 0;
-                for (int64_t i = 0; i < in; i++) {
-                    a0 += w0[i] * xa[i];
-                    a1 += w1[i] * xa[i];
-                    a2 += w2[i] * xa[i];
-                    a3 += w3[i] * xa[i];
-                    b0 += w0[i] * xb[i];
-                    b1 += w1[i] * xb[i];
-                    b2 += w2[i] * xb[i];
-                    b3 += w3[i] * xb[i];
-                }
-                float *ya = y + r * out + j, *yb = ya + out;
-                ya[0] = a0; ya[1] = a1; ya[2] = a2; ya[3] = a3;
-                yb[0] = b0; yb[1] = b1; yb[2] = b2; yb[3] = b3;
+void packed_linear(const float *x, const float *packed, const float *bias, float *y, int64_t m,
+                   int64_t in, int64_t out) {
+    const int64_t panels = (out + PANEL - 1) / PANEL;
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+        const int64_t r1 = r0 + ROW_BLOCK < m ? r0 + ROW_BLOCK : m;
+        for (int64_t p = 0; p < panels; p++) {
+            const float *panel = packed + p * in * PANEL;
+            const int64_t c0 = p * PANEL, cols = out - c0 < PANEL ? out - c0 : PANEL;
+            const float *b = bias != NULL ? bias + c0 : NULL;
+            float *yp = y + c0;
+            int64_t r = r0;
+            /* Whole tiles, then 4, 2 and 1 rows: constant row counts keep the sums in registers. */
+            for (; r + TILE_ROWS <= r1; r += TILE_ROWS)
+                tile(x + r * in, in, panel, b, yp + r * out, out, cols, TILE_ROWS);
+            if (r + 4 <= r1) {
+                tile(x + r * in, in, panel, b, yp + r * out, out, cols, 4);
+                r += 4;
             }
-            for (; r < m; r++)  /* an odd row out */
-                for (int64_t k = 0; k < 4; k++)
-                    y[r * out + j + k] = dot(w + (j + k) * in, x + r * in, in);
+            if (r + 2 <= r1) {
+                tile(x + r * in, in, panel, b, yp + r * out, out, cols, 2);
+                r += 2;
+            }
+            if (r < r1) tile(x + r * in, in, panel, b, yp + r * out, out, cols, 1);
         }
-        for (; j < out; j++)  /* the last out % 4 weight rows */
-            for (int64_t r = 0; r < m; r++) y[r * out + j] = dot(w + j * in, x + r * in, in);
     }
-    if (bias != NULL)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t j = 0; j < out; j++) y[r * out + j] += bias[j];
 }
 
 /* out[r] = x[r] / rms(x[r]) * weight, rms(v) = sqrt(mean(v^2) + eps). */

@@ -32,7 +32,7 @@ BUILD_TIMEOUT_S = 120
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "linear_rows": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "packed_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_and_mul": [_ptr, _ptr, _i64, _i64],
     "rotary_in_place": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
@@ -67,9 +67,7 @@ def _build(compiler: str, target: Path) -> None:
 class CPUKernels:
     """Tensor-level wrappers; inputs must be contiguous fp32 CPU tensors (asserted)."""
 
-    # Up to this many rows ``linear`` beats MKL's GEMM, which packs its operands first (1.4-2x
-    # at 1-8 rows on SmolLM2's shapes); from 16 rows on MKL is as fast or faster.
-    LINEAR_MAX_ROWS = 8
+    PANEL = 32  # output columns per packed panel, as in cpu_kernels.c
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         for name, argtypes in _SIGNATURES.items():
@@ -77,24 +75,35 @@ class CPUKernels:
             fn.argtypes, fn.restype = argtypes, None
         self._lib = lib
 
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> torch.Tensor:
+        """A Linear weight ``[out, in]`` as ``[ceil(out / PANEL), in, PANEL]`` panels for
+        ``linear``: each panel holds PANEL output columns, input-major, zero-padded."""
+        out, width = weight.shape
+        panels = -(-out // cls.PANEL)
+        padded = weight.detach().float().new_zeros(panels * cls.PANEL, width)
+        padded[:out] = weight.detach()
+        return padded.view(panels, cls.PANEL, width).transpose(1, 2).contiguous()
+
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: int
     ) -> torch.Tensor:
-        """``x @ weight.T + bias`` for ``x`` [m, in], ``weight`` [out, in]; for small m."""
-        assert x.is_contiguous() and weight.is_contiguous()
+        """``x @ weight.T + bias`` for ``x`` [m, in] and ``packed = pack(weight)``; [m, out]."""
+        assert x.is_contiguous() and packed.is_contiguous() and packed.data_ptr() % 64 == 0
         assert bias is None or bias.is_contiguous()
         rows, width = x.shape
-        out = x.new_empty(rows, weight.shape[0])
-        self._lib.linear_rows(
+        assert packed.shape == (-(-out // self.PANEL), width, self.PANEL)
+        y = x.new_empty(rows, out)
+        self._lib.packed_linear(
             x.data_ptr(),
-            weight.data_ptr(),
+            packed.data_ptr(),
             None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
+            y.data_ptr(),
             rows,
             width,
-            weight.shape[0],
+            out,
         )
-        return out
+        return y
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -7,9 +7,9 @@ faster than ``F.linear`` on ``[vocab, hidden]``. Many rows are a GEMM whose outp
 output hot and runs about 1.4x faster than one ``F.linear``. The head keeps both layouts
 (one extra copy of the embedding matrix, made on first use) and picks per call.
 
-With the CPU kernels (``kernels``, set by the CPU backend) up to ``LINEAR_MAX_ROWS`` rows go
-through ``kernels.linear`` on the ``[vocab, hidden]`` weight itself, faster still, and the
-transposed copy is never made.
+With the CPU kernels (``kernels``, set by the CPU backend) every call runs on
+``kernels.linear`` instead, faster at every row count, over a copy of the weight packed into
+its panel layout on first use (``packed``, in place of the transposed copy).
 """
 
 from __future__ import annotations
@@ -31,15 +31,19 @@ class LogitsHead(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("weight_t", torch.empty(0), persistent=False)
+        self.register_buffer("packed", torch.empty(0), persistent=False)
 
     def refresh(self, weight: torch.Tensor) -> None:
-        """Drops the transposed copy; call after the weight is loaded or moved."""
+        """Drops the derived copies; call after the weight is loaded or moved."""
         self.weight_t = torch.empty(0, device=weight.device)
+        self.packed = torch.empty(0, device=weight.device)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = hidden.shape[0]
-        if self.kernels is not None and rows <= self.kernels.LINEAR_MAX_ROWS:
-            return self.kernels.linear(hidden.contiguous(), weight, None)
+        if self.kernels is not None:
+            if self.packed.numel() == 0:
+                self.packed = self.kernels.pack(weight)
+            return self.kernels.linear(hidden.contiguous(), self.packed, None, weight.shape[0])
         if rows <= GEMV_MAX_ROWS:
             if self.weight_t.shape != weight.t().shape:
                 self.weight_t = weight.detach().t().contiguous()

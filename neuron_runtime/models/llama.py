@@ -200,7 +200,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+            # A plain nn.Linear: only its weight is used, by logits_head (the CPU kernels leave
+            # it unpacked, for the head keeps its own packed copy).
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.logits_head = LogitsHead()
 
     def build_model(self, cfg: dict[str, Any]) -> LlamaModel:
