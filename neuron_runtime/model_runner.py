@@ -16,7 +16,12 @@ import torch
 from neuron_runtime.backends import Backend
 from neuron_runtime.config import EngineConfig
 from neuron_runtime.kv_transfer import KVPayload
-from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice, decode_groups
+from neuron_runtime.layers.attention import (
+    AttentionMetadata,
+    PrefillSlice,
+    decode_block_tables,
+    decode_groups,
+)
 from neuron_runtime.loader import load_model
 from neuron_runtime.models.llava import LlavaForConditionalGeneration
 from neuron_runtime.models.registry import model_class
@@ -298,15 +303,14 @@ class ModelRunner:
         if kernels is None:
             groups = decode_groups(tables, lens, self.block_size, self.device)
             return AttentionMetadata(slot_mapping, num_decode, prefills, decode_groups=groups)
-        width = max((-(-n // self.block_size) for n in lens), default=0)
-        padded = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+        decode_tables, decode_lens = decode_block_tables(tables, lens, self.block_size)
         return AttentionMetadata(
             slot_mapping,
             num_decode,
             prefills,
             kernels=kernels,
-            decode_tables=torch.tensor(padded, dtype=torch.long),
-            decode_lens=torch.tensor(lens, dtype=torch.long),
+            decode_tables=decode_tables,
+            decode_lens=decode_lens,
         )
 
     def _sampling_batch(self, seqs: list[ScheduledSeq]) -> SamplingBatch:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from neuron_runtime.backends.cpu_kernels import CPUKernels, kernels
+from neuron_runtime.layers.linear import Linear
 
 
 def to_input_major(model: nn.Module) -> None:
@@ -23,11 +24,10 @@ def to_input_major(model: nn.Module) -> None:
 
 def attach_kernels(model: nn.Module, fused: CPUKernels) -> None:
     """Hands the fused kernels to every module that has a place for them (``kernels``);
-    modules with an ``attach`` method (``layers.linear.Linear``) also repack their weights."""
+    ``Linear`` layers also repack their weights for them."""
     for module in model.modules():
-        attach = getattr(module, "attach", None)
-        if attach is not None:
-            attach(fused)
+        if isinstance(module, Linear):
+            module.attach(fused)
         elif "kernels" in dir(type(module)):
             setattr(module, "kernels", fused)  # noqa: B010 (a plain attribute, not a Module)
 

@@ -83,6 +83,23 @@ def group_bounds(num_blocks: list[int]) -> list[tuple[int, int]]:
     return merged
 
 
+def pad_tables(block_tables: list[list[int]], width: int) -> list[list[int]]:
+    """Each table cut or zero-padded to ``width`` blocks (padding is never read unmasked)."""
+    return [t[:width] + [0] * (width - len(t[:width])) for t in block_tables]
+
+
+def decode_block_tables(
+    block_tables: list[list[int]], context_lens: list[int], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Metadata of a batch of decodes for the CPU kernels: ``[n, max_blocks]`` block tables
+    padded to the longest context, and the context lengths (the new token included)."""
+    width = max((-(-n // block_size) for n in context_lens), default=0)
+    return (
+        torch.tensor(pad_tables(block_tables, width), dtype=torch.long),
+        torch.tensor(context_lens, dtype=torch.long),
+    )
+
+
 def decode_groups(
     block_tables: list[list[int]],
     context_lens: list[int],
@@ -97,7 +114,7 @@ def decode_groups(
     groups = []
     for start, stop in group_bounds(num_blocks):
         width = num_blocks[stop - 1]
-        table = [t[:width] + [0] * (width - len(t[:width])) for t in block_tables[start:stop]]
+        table = pad_tables(block_tables[start:stop], width)
         lens = torch.tensor(context_lens[start:stop], device=device)
         key_pos = torch.arange(width * block_size, device=device)
         groups.append(
