@@ -120,13 +120,14 @@ def reference_decode(q, keys, values, scale, window, softcap):
     return torch.einsum("hn,hnd->hd", scores.softmax(-1), values).float()
 
 
+@pytest.mark.parametrize("d", [8, 16, 64, 128, 256])  # scalar, vector and constant-size paths
 @pytest.mark.parametrize(
     "heads,kv_heads,window,softcap", [(6, 2, None, None), (4, 4, None, None), (6, 3, 5, 50.0)]
 )
-def test_decode_attention_matches_attention_per_sequence(k, heads, kv_heads, window, softcap):
+def test_decode_attention_matches_attention_per_sequence(k, heads, kv_heads, window, softcap, d):
     torch.manual_seed(5)
     rng = random.Random(5)
-    d, bs, num_blocks = 16, 4, 200
+    bs, num_blocks = 4, 200
     k_cache = torch.randn(kv_heads, num_blocks, bs, d)
     v_cache = torch.randn(kv_heads, num_blocks, bs, d)
     free = list(range(num_blocks))

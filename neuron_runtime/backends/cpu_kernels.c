@@ -35,10 +35,17 @@ typedef float vec16 __attribute__((vector_size(64)));
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t in,
                                                        const float *panel, const float *bias,
                                                        float *y, int64_t out, int64_t cols,
-                                                       int rows) {
+                                                       int rows, const float *ahead,
+                                                       int64_t ahead_every) {
     vec16 acc[TILE_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (vec16){0};
+    int64_t countdown = ahead_every;
     for (int64_t i = 0; i < in; i++) {
+        if (ahead != NULL && --countdown == 0) {
+            __builtin_prefetch(ahead, 0, 3);
+            ahead += 16;
+            countdown = ahead_every;
+        }
         const vec16 w0 = *(const vec16 *)(panel + i * PANEL);
         const vec16 w1 = *(const vec16 *)(panel + i * PANEL + 16);
         for (int r = 0; r < rows; r++) {
@@ -64,19 +71,27 @@ void packed_linear(const float *x, const float *packed, const float *bias, float
             const int64_t c0 = p * PANEL, cols = out - c0 < PANEL ? out - c0 : PANEL;
             const float *b = bias != NULL ? bias + c0 : NULL;
             float *yp = y + c0;
+            /* Several row tiles share this panel: they fetch the next one between them, a
+             * line every ahead_every steps, so it is in cache when its first tile starts
+             * instead of being read at the speed of memory. With one or two tiles the weights
+             * are read about as fast as they are used, and the hardware streams them. */
+            const int64_t tiles = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS;
+            const int64_t lines = in * PANEL / 16;
+            const int64_t every = tiles > 2 ? (in * tiles + lines - 1) / lines : 0;
+            const float *ahead = tiles > 2 && p + 1 < panels ? panel + in * PANEL : NULL;
             int64_t r = r0;
+#define TILE(n)                                                                              \
+    do {                                                                                     \
+        tile(x + r * in, in, panel, b, yp + r * out, out, cols, n, ahead, every);            \
+        if (ahead != NULL) ahead += (in / every) * 16;                                       \
+        r += n;                                                                              \
+    } while (0)
             /* Whole tiles, then 4, 2 and 1 rows: constant row counts keep the sums in registers. */
-            for (; r + TILE_ROWS <= r1; r += TILE_ROWS)
-                tile(x + r * in, in, panel, b, yp + r * out, out, cols, TILE_ROWS);
-            if (r + 4 <= r1) {
-                tile(x + r * in, in, panel, b, yp + r * out, out, cols, 4);
-                r += 4;
-            }
-            if (r + 2 <= r1) {
-                tile(x + r * in, in, panel, b, yp + r * out, out, cols, 2);
-                r += 2;
-            }
-            if (r < r1) tile(x + r * in, in, panel, b, yp + r * out, out, cols, 1);
+            while (r + TILE_ROWS <= r1) TILE(TILE_ROWS);
+            if (r + 4 <= r1) TILE(4);
+            if (r + 2 <= r1) TILE(2);
+            if (r < r1) TILE(1);
+#undef TILE
         }
     }
 }
@@ -166,6 +181,123 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
  * read once for its whole group. A sequence sees its last `window` keys when window > 0;
  * softcap > 0 squashes scores to softcap * tanh(score / softcap) (Gemma).
  */
+/* Vectors that may sit at any float boundary (query rows inside the fused qkv output). */
+typedef float vec16u __attribute__((vector_size(64), aligned(4)));
+
+static inline float lane_sum(vec16 v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+
+/*
+ * One KV head of one sequence: its `group` query heads (qh, contiguous) over keys first..ctx-1,
+ * writing [group, d] to out. One pass, block by block through the sequence's table: a block's
+ * scores, then its values weighted by them, with the softmax kept online (each head's running
+ * max `top` and sum `total`; earlier sums are rescaled when the max grows). Reading a block's
+ * keys and values back to back keeps both in flight from memory together. `vecs` is d / 16; the
+ * callers pass it as a constant so the loops over a row unroll. scores holds group x block_size.
+ */
+static inline __attribute__((always_inline)) void attend_kv_head(
+    const float *qh, const float *kh, const float *vh, const int64_t *table, int64_t first,
+    int64_t ctx, int64_t block_size, int64_t group, int vecs, float scale, float softcap,
+    float *scores, float *top, float *total, float *out) {
+    const int64_t d = (int64_t)vecs * 16;
+    for (int64_t g = 0; g < group; g++) {
+        total[g] = 0.0f;
+        for (int v = 0; v < vecs; v++) *(vec16u *)(out + g * d + 16 * v) = (vec16){0};
+    }
+    for (int64_t j = first; j < ctx;) {
+        const int64_t offset = j % block_size;
+        const int64_t keys = (ctx < j - offset + block_size ? ctx : j - offset + block_size) - j;
+        const int64_t row = (table[j / block_size] * block_size + offset) * d;
+        const float *k = kh + row, *val = vh + row;
+        if (j + keys < ctx) {  /* blocks lie anywhere: start the next one's address lookup */
+            const int64_t next = table[j / block_size + 1] * block_size * d;
+            __builtin_prefetch(kh + next, 0, 3);
+            __builtin_prefetch(vh + next, 0, 3);
+        }
+        for (int64_t t = 0; t < keys; t++, k += d) {  /* scores[g][t] = q_g . k_t */
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = qh + g * d;
+                vec16 sum = *(const vec16u *)qg * *(const vec16 *)k;
+                for (int v = 1; v < vecs; v++)
+                    sum += *(const vec16u *)(qg + 16 * v) * *(const vec16 *)(k + 16 * v);
+                float dot = lane_sum(sum) * scale;
+                if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
+                scores[g * block_size + t] = dot;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {  /* scores -> exp(score - running max) */
+            float *sc = scores + g * block_size;
+            float m = j == first ? sc[0] : top[g];
+            for (int64_t t = 0; t < keys; t++) m = sc[t] > m ? sc[t] : m;
+            float sum = 0.0f;
+            for (int64_t t = 0; t < keys; t++) {
+                sc[t] = expf(sc[t] - m);
+                sum += sc[t];
+            }
+            if (j != first && m > top[g]) {
+                const float shrink = expf(top[g] - m);
+                total[g] *= shrink;
+                for (int v = 0; v < vecs; v++) *(vec16u *)(out + g * d + 16 * v) *= shrink;
+            }
+            total[g] += sum;
+            top[g] = m;
+        }
+        for (int64_t t = 0; t < keys; t++, val += d) {  /* out[g] += p[g][t] v_t */
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * block_size + t];
+                float *o = out + g * d;
+                for (int v = 0; v < vecs; v++)
+                    *(vec16u *)(o + 16 * v) += p * *(const vec16 *)(val + 16 * v);
+            }
+        }
+        j += keys;
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = 1.0f / total[g];
+        for (int v = 0; v < vecs; v++) *(vec16u *)(out + g * d + 16 * v) *= inv;
+    }
+}
+
+/* The same for any head size: plain loops over d. */
+static void attend_kv_head_any(const float *qh, const float *kh, const float *vh,
+                               const int64_t *table, int64_t first, int64_t ctx,
+                               int64_t block_size, int64_t group, int64_t d, float scale,
+                               float softcap, float *scores, float *out) {
+    const int64_t len = ctx - first;
+    for (int64_t j = first; j < ctx; j++) {
+        const float *k = kh + (table[j / block_size] * block_size + j % block_size) * d;
+        for (int64_t g = 0; g < group; g++) {
+            float dot = 0.0f;
+            for (int64_t i = 0; i < d; i++) dot += qh[g * d + i] * k[i];
+            dot *= scale;
+            if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
+            scores[g * len + (j - first)] = dot;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * len;
+        float top = s[0];
+        for (int64_t j = 1; j < len; j++) top = s[j] > top ? s[j] : top;
+        float total = 0.0f;
+        for (int64_t j = 0; j < len; j++) {
+            s[j] = expf(s[j] - top);
+            total += s[j];
+        }
+        for (int64_t j = 0; j < len; j++) s[j] /= total;
+    }
+    memset(out, 0, sizeof(float) * (size_t)(group * d));
+    for (int64_t j = first; j < ctx; j++) {
+        const float *val = vh + (table[j / block_size] * block_size + j % block_size) * d;
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < d; i++) out[g * d + i] += scores[g * len + (j - first)] * val[i];
+    }
+}
+
 void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
                             const float *v_cache, const int64_t *block_tables,
                             const int64_t *context_lens, float *out, int64_t n, int64_t heads,
@@ -175,56 +307,36 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cac
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < n; b++)
         if (context_lens[b] > max_ctx) max_ctx = context_lens[b];
-    float *scores = malloc(sizeof(float) * (size_t)(group * max_ctx));
-    float *acc = malloc(sizeof(float) * (size_t)(group * d));
-    if (scores == NULL || acc == NULL) abort();
+    /* The one-pass kernel needs group x block_size scores, the any-size one group x max_ctx. */
+    const int64_t score_len = max_ctx > block_size ? max_ctx : block_size;
+    float *scores = malloc(sizeof(float) * (size_t)(group * (score_len + 2)));
+    if (scores == NULL) abort();
+    float *top = scores + group * score_len, *total = top + group;
     const int64_t head_stride = num_blocks * block_size * d;  /* one KV head's whole cache */
 
     for (int64_t b = 0; b < n; b++) {
         const int64_t ctx = context_lens[b];
         const int64_t first = (window > 0 && ctx > window) ? ctx - window : 0;
-        const int64_t len = ctx - first;
         const int64_t *table = block_tables + b * max_blocks;
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *qh = q + b * q_stride + h * group * d;
-            const float *kh = k_cache + h * head_stride;
-            const float *vh = v_cache + h * head_stride;
-
-            for (int64_t j = first; j < ctx; j++) {  /* scores[g][j - first] = q_g . k_j */
-                const float *k = kh + (table[j / block_size] * block_size + j % block_size) * d;
-                for (int64_t g = 0; g < group; g++) {
-                    const float *qg = qh + g * d;
-                    float dot = 0.0f;
-                    for (int64_t i = 0; i < d; i++) dot += qg[i] * k[i];
-                    dot *= scale;
-                    if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
-                    scores[g * len + (j - first)] = dot;
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {  /* softmax over each head's row */
-                float *s = scores + g * len;
-                float top = s[0];
-                for (int64_t j = 1; j < len; j++) top = s[j] > top ? s[j] : top;
-                float total = 0.0f;
-                for (int64_t j = 0; j < len; j++) {
-                    s[j] = expf(s[j] - top);
-                    total += s[j];
-                }
-                const float inv = 1.0f / total;
-                for (int64_t j = 0; j < len; j++) s[j] *= inv;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(group * d));
-            for (int64_t j = first; j < ctx; j++) {  /* acc[g] = sum_j p[g][j] v_j */
-                const float *v = vh + (table[j / block_size] * block_size + j % block_size) * d;
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g * len + (j - first)];
-                    float *a = acc + g * d;
-                    for (int64_t i = 0; i < d; i++) a[i] += p * v[i];
-                }
-            }
-            memcpy(out + (b * heads + h * group) * d, acc, sizeof(float) * (size_t)(group * d));
+            const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
+            float *o = out + (b * heads + h * group) * d;
+            /* Head sizes of whole vectors take the vector kernel, the common ones with a
+             * constant size; cache rows are then 64-byte aligned. */
+            if (d == 64)
+                attend_kv_head(qh, kh, vh, table, first, ctx, block_size, group, 4, scale,
+                               softcap, scores, top, total, o);
+            else if (d == 128)
+                attend_kv_head(qh, kh, vh, table, first, ctx, block_size, group, 8, scale,
+                               softcap, scores, top, total, o);
+            else if (d % 16 == 0)
+                attend_kv_head(qh, kh, vh, table, first, ctx, block_size, group, (int)(d / 16),
+                               scale, softcap, scores, top, total, o);
+            else
+                attend_kv_head_any(qh, kh, vh, table, first, ctx, block_size, group, d, scale,
+                                   softcap, scores, o);
         }
     }
     free(scores);
-    free(acc);
 }
