@@ -192,6 +192,11 @@ static inline float lane_sum(vec16 v) {
     return v[0];
 }
 
+/* Asks for 64-byte lines first .. first + count - 1 (below end) of p into the cache. */
+static inline void prefetch_lines(const float *p, int64_t first, int64_t count, int64_t end) {
+    for (int64_t l = first; l < first + count && l < end; l++) __builtin_prefetch(p + 16 * l, 0, 3);
+}
+
 /*
  * One KV head of one sequence: its `group` query heads (qh, contiguous) over keys first..ctx-1,
  * writing [group, d] to out. One pass, block by block through the sequence's table: a block's
@@ -214,12 +219,12 @@ static inline __attribute__((always_inline)) void attend_kv_head(
         const int64_t keys = (ctx < j - offset + block_size ? ctx : j - offset + block_size) - j;
         const int64_t row = (table[j / block_size] * block_size + offset) * d;
         const float *k = kh + row, *val = vh + row;
-        if (j + keys < ctx) {  /* blocks lie anywhere: start the next one's address lookup */
-            const int64_t next = table[j / block_size + 1] * block_size * d;
-            __builtin_prefetch(kh + next, 0, 3);
-            __builtin_prefetch(vh + next, 0, 3);
-        }
+        /* Blocks lie anywhere in the cache, and the hardware does not stream from one block
+         * into another: each key of this block fetches a share of the next block's lines. */
+        const int64_t next = j + keys < ctx ? table[j / block_size + 1] * block_size * d : -1;
+        const int64_t lines = block_size * d / 16, share = (lines + keys - 1) / keys;
         for (int64_t t = 0; t < keys; t++, k += d) {  /* scores[g][t] = q_g . k_t */
+            if (next >= 0) prefetch_lines(kh + next, t * share, share, lines);
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = qh + g * d;
                 vec16 sum = *(const vec16u *)qg * *(const vec16 *)k;
@@ -248,6 +253,7 @@ static inline __attribute__((always_inline)) void attend_kv_head(
             top[g] = m;
         }
         for (int64_t t = 0; t < keys; t++, val += d) {  /* out[g] += p[g][t] v_t */
+            if (next >= 0) prefetch_lines(vh + next, t * share, share, lines);
             for (int64_t g = 0; g < group; g++) {
                 const float p = scores[g * block_size + t];
                 float *o = out + g * d;
