@@ -202,7 +202,9 @@ class ModelRunner:
             logits = logits.clone() if logits is raw_logits else logits
             for row, ids in banned:
                 logits[row, ids] = float("-inf")
-        token_tensor = sample(logits, self._sampling_batch(sample_seqs))
+        kernels = self.backend.kernels
+        argmax = kernels.argmax if kernels is not None and logits.is_contiguous() else None
+        token_tensor = sample(logits, self._sampling_batch(sample_seqs), argmax)
         tokens = token_tensor.tolist()
         num_top = max((s.params.logprobs or 0) for s in sample_seqs)
         if any(s.params.logprobs is not None for s in sample_seqs):

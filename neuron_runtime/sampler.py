@@ -7,6 +7,7 @@ the full vocabulary, so its tokens do not depend on which other requests share t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,9 +121,16 @@ def exponential_noise(
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Picks one token per row. logits: [B, V] fp32 -> [B] long."""
-    greedy = logits.argmax(dim=-1)
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Picks one token per row. logits: [B, V] fp32 -> [B] long.
+
+    ``argmax`` is a backend's faster row argmax of ``logits`` (the same result as torch's).
+    """
+    greedy = logits.argmax(dim=-1) if argmax is None else argmax(logits)
     if batch.all_greedy:
         return greedy
     temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)

@@ -75,6 +75,21 @@ def test_silu_and_mul(k):
     torch.testing.assert_close(k.silu_and_mul(gate_up), F.silu(gate) * up, atol=ATOL, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cols", [1, 7, 16, 33, 49152])
+def test_argmax_matches_torch_with_ties_at_any_column(k, cols):
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(6, cols, generator=g)
+    # Ties: the maximum repeated later in the row (torch picks the first), and rows that are
+    # all one value, whose first column wins.
+    x[1] = x[1].round()
+    x[2] = 0.5
+    if cols > 3:
+        x[3, cols // 3] = x[3, cols - 1] = 10.0
+    x[4] = -torch.arange(cols, dtype=torch.float32)  # largest value in column 0
+    x[5] = torch.arange(cols, dtype=torch.float32)  # largest value in the last column
+    assert k.argmax(x).tolist() == x.argmax(dim=-1).tolist()
+
+
 def test_rotary_in_place_on_a_strided_view(k):
     g = torch.Generator().manual_seed(3)
     rows, q_heads, kv_heads, d = 6, 4, 2, 16

@@ -208,11 +208,14 @@ static inline void prefetch_lines(const float *p, int64_t first, int64_t count, 
  * max `top` and sum `total`; earlier sums are rescaled when the max grows). Reading a block's
  * keys and values back to back keeps both in flight from memory together. `vecs` is d / 16; the
  * callers pass it as a constant so the loops over a row unroll. scores holds group x block_size.
+ * The last block fetches the first `after_lines` lines of after_k / after_v, the next head's
+ * first block (NULL for none).
  */
 static inline __attribute__((always_inline)) void attend_kv_head(
     const float *qh, const float *kh, const float *vh, const int64_t *table, int64_t first,
     int64_t ctx, int64_t block_size, int64_t group, int vecs, float scale, float softcap,
-    float *scores, float *top, float *total, float *out) {
+    const float *after_k, const float *after_v, int64_t after_lines, float *scores, float *top,
+    float *total, float *out) {
     const int64_t d = (int64_t)vecs * 16;
     for (int64_t g = 0; g < group; g++) {
         total[g] = 0.0f;
@@ -225,10 +228,17 @@ static inline __attribute__((always_inline)) void attend_kv_head(
         const float *k = kh + row, *val = vh + row;
         /* Blocks lie anywhere in the cache, and the hardware does not stream from one block
          * into another: each key of this block fetches a share of the next block's lines. */
-        const int64_t next = j + keys < ctx ? table[j / block_size + 1] * block_size * d : -1;
-        const int64_t lines = block_size * d / 16, share = (lines + keys - 1) / keys;
+        const float *next_k = after_k, *next_v = after_v;
+        int64_t lines = after_lines;
+        if (j + keys < ctx) {
+            const int64_t next_row = table[j / block_size + 1] * block_size * d;
+            next_k = kh + next_row;
+            next_v = vh + next_row;
+            lines = block_size * d / 16;
+        }
+        const int64_t share = (lines + keys - 1) / keys;
         for (int64_t t = 0; t < keys; t++, k += d) {  /* scores[g][t] = q_g . k_t */
-            if (next >= 0) prefetch_lines(kh + next, t * share, share, lines);
+            if (next_k != NULL) prefetch_lines(next_k, t * share, share, lines);
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = qh + g * d;
                 vec16 sum = *(const vec16u *)qg * *(const vec16 *)k;
@@ -257,7 +267,7 @@ static inline __attribute__((always_inline)) void attend_kv_head(
             top[g] = m;
         }
         for (int64_t t = 0; t < keys; t++, val += d) {  /* out[g] += p[g][t] v_t */
-            if (next >= 0) prefetch_lines(vh + next, t * share, share, lines);
+            if (next_k != NULL) prefetch_lines(next_v, t * share, share, lines);
             for (int64_t g = 0; g < group; g++) {
                 const float p = scores[g * block_size + t];
                 float *o = out + g * d;
@@ -308,6 +318,11 @@ static void attend_kv_head_any(const float *qh, const float *kh, const float *vh
     }
 }
 
+/* A sequence's first key in attention: all of them, or the last `window` (0 for none). */
+static inline int64_t first_key(int64_t ctx, int64_t window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
+}
+
 void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
                             const float *v_cache, const int64_t *block_tables,
                             const int64_t *context_lens, float *out, int64_t n, int64_t heads,
@@ -326,27 +341,71 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cac
 
     for (int64_t b = 0; b < n; b++) {
         const int64_t ctx = context_lens[b];
-        const int64_t first = (window > 0 && ctx > window) ? ctx - window : 0;
+        const int64_t first = first_key(ctx, window);
         const int64_t *table = block_tables + b * max_blocks;
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *qh = q + b * q_stride + h * group * d;
             const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
             float *o = out + (b * heads + h * group) * d;
+            /* The (sequence, KV head) after this one, whose first block this one's last
+             * block fetches: no hardware stream carries over from one to the next. */
+            const float *after_k = NULL, *after_v = NULL;
+            int64_t after_lines = 0;
+            if (h + 1 < kv_heads || b + 1 < n) {
+                const int64_t nb = h + 1 < kv_heads ? b : b + 1;
+                const int64_t nh = h + 1 < kv_heads ? h + 1 : 0;
+                const int64_t nctx = context_lens[nb], nfirst = first_key(nctx, window);
+                const int64_t skip = nfirst % block_size;
+                const int64_t keys = nctx - nfirst < block_size - skip ? nctx - nfirst
+                                                                       : block_size - skip;
+                const int64_t row = (block_tables[nb * max_blocks + nfirst / block_size] *
+                                     block_size + skip) * d + nh * head_stride;
+                after_k = k_cache + row;
+                after_v = v_cache + row;
+                after_lines = keys * d / 16;
+            }
             /* Head sizes of whole vectors take the vector kernel, the common ones with a
              * constant size; cache rows are then 64-byte aligned. */
             if (d == 64)
                 attend_kv_head(qh, kh, vh, table, first, ctx, block_size, group, 4, scale,
-                               softcap, scores, top, total, o);
+                               softcap, after_k, after_v, after_lines, scores, top, total, o);
             else if (d == 128)
                 attend_kv_head(qh, kh, vh, table, first, ctx, block_size, group, 8, scale,
-                               softcap, scores, top, total, o);
+                               softcap, after_k, after_v, after_lines, scores, top, total, o);
             else if (d % 16 == 0)
                 attend_kv_head(qh, kh, vh, table, first, ctx, block_size, group, (int)(d / 16),
-                               scale, softcap, scores, top, total, o);
+                               scale, softcap, after_k, after_v, after_lines, scores, top,
+                               total, o);
             else
                 attend_kv_head_any(qh, kh, vh, table, first, ctx, block_size, group, d, scale,
                                    softcap, scores, o);
         }
     }
     free(scores);
+}
+
+/*
+ * out[r] = the first column of row r holding the row's largest value (torch.argmax over finite
+ * values). Greedy decoding takes it over the vocabulary for every row, where torch's argmax
+ * runs at a few GB/s. One vector pass finds the maximum, a second stops at its first
+ * occurrence. Built with -ffast-math, so NaN is not looked for: the model runner fails rows
+ * whose hidden state holds NaN.
+ */
+void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        float top = row[0];
+        int64_t c = 0;
+        if (cols >= 16) {
+            float lanes[16];
+            memcpy(lanes, row, sizeof lanes);
+            for (c = 16; c + 16 <= cols; c += 16)
+                for (int l = 0; l < 16; l++) lanes[l] = row[c + l] > lanes[l] ? row[c + l] : lanes[l];
+            for (int l = 0; l < 16; l++) top = lanes[l] > top ? lanes[l] : top;
+        }
+        for (; c < cols; c++) top = row[c] > top ? row[c] : top;
+        int64_t first = 0;
+        while (first < cols - 1 && row[first] != top) first++;
+        out[r] = first;
+    }
 }

@@ -40,6 +40,7 @@ _SIGNATURES = {
     "paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     + [_i64] * 7
     + [_f32, _i64, _f32],
+    "argmax_rows": [_ptr, _i64, _i64, _ptr],
 }
 
 
@@ -209,6 +210,15 @@ class CPUKernels:
             sliding_window or 0,
             softcap or 0.0,
         )
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of a ``[rows, cols]`` tensor of finite values; ``[rows]`` long."""
+        assert x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous()
+        rows, cols = x.shape
+        assert cols > 0
+        out = torch.empty(rows, dtype=torch.int64)
+        self._lib.argmax_rows(x.data_ptr(), rows, cols, out.data_ptr())
         return out
 
 
