@@ -57,16 +57,21 @@ bench-peers: model vllm-env
 # The whole application on a local Ray cluster that `serve run` starts and stops itself.
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (exported above) makes Ray bind GCS, raylet, workers and
 # the dashboard (ray.init defaults it to the local IP) to 127.0.0.1; serve_config.yaml binds
-# the HTTP proxy to 127.0.0.1:8000.
+# the HTTP proxy to 127.0.0.1:8000. app.config_check first checks the file against the models
+# and stops with one line on a setting they cannot take (`serve run` of a config file would
+# report the failed build in its log and keep waiting).
 serve: model
+	$(PY) -m app.config_check serve_config.yaml
 	$(VENV)/bin/serve run serve_config.yaml
 
 # The colocated baseline: one LLMServer deployment instead of router, prefill and decode.
 serve-colocated: model
+	$(PY) -m app.config_check configs/serve/colocated.yaml
 	$(VENV)/bin/serve run configs/serve/colocated.yaml
 
 # Image chats: encode -> prefill -> decode on the tiny random-weight LLaVA.
 serve-epd: model
+	$(PY) -m app.config_check configs/serve/epd.yaml
 	$(VENV)/bin/serve run configs/serve/epd.yaml
 
 # Load against a running `make serve` (127.0.0.1:8000) and the engine in-process, side by side.

@@ -1,7 +1,9 @@
 """The application builder that ``serve run serve_config.yaml`` imports (``app.builder:build_app``).
 
-Arguments come from the config's ``args`` and are validated here: unknown keys are an error.
-Deployment sizing (replicas, CPUs, queue limits) lives in serve_config.yaml's ``deployments``.
+Arguments come from the config's ``args`` and are validated here: unknown keys are an error,
+and ``validate_args`` checks them against the models on disk before anything is bound.
+Deployment sizing (replicas, CPUs, queue limits) lives in serve_config.yaml's ``deployments``;
+``app.config_check`` checks those against the args.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
+from safetensors import SafetensorError
 
 from app.ingress import OpenAIIngress
 from deployments.decode import DecodeServer
@@ -21,9 +24,14 @@ from deployments.kv_transport import KVTransportConfig, TransportName
 from deployments.llm_server import LLMServer
 from deployments.prefill import PrefillServer
 from deployments.vision_encoder import VisionEncoderServer
+from neuron_runtime.config import EngineConfig
+from neuron_runtime.embedding import EMBEDDING_ARCHITECTURES
 from neuron_runtime.engine_args import EngineArgs
-from neuron_runtime.loader import load_hf_config
+from neuron_runtime.loader import iter_weights, load_hf_config
+from neuron_runtime.model_runner import kv_bytes_per_block
 from neuron_runtime.model_store import resolve_model
+from neuron_runtime.models.registry import model_class
+from neuron_runtime.tokenizer import Tokenizer
 from router.pd_router import PDRouter
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -140,8 +148,87 @@ class BuildArgs(BaseModel):
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """``import_path`` target: validated args -> the ingress bound to its deployments."""
-    return build_openai_app(BuildArgs(**(args or {})))
+    """``import_path`` target: validated args -> the ingress bound to its deployments.
+
+    Settings the models cannot take raise ValueError here, where Serve builds the application
+    (the driver for an import path, the controller's build task for a config file), so the
+    application fails to deploy with that one line instead of every replica failing in its
+    constructor and Serve restarting them forever.
+    """
+    build_args = BuildArgs(**(args or {}))
+    validate_args(build_args)
+    return build_openai_app(build_args)
+
+
+def validate_args(args: BuildArgs) -> EngineConfig:
+    """Checks the args against the models on disk; ValueError names the setting and the limit.
+
+    The engine's own EngineArgs -> EngineConfig validation (max_model_len against the model's
+    max_position_embeddings, cache and scheduler limits), then what an engine replica would
+    otherwise find only after loading its weights: the KV budget against max_model_len, the
+    architecture, the weight files and the tokenizer; the same for the embedding model.
+    """
+    try:
+        config = EngineArgs(**args.full_engine_args()).create_engine_config()
+        model_class(config.model.architecture)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"model {args.model!r}: {err}") from None
+    capacity = kv_capacity_tokens(config)
+    if capacity < config.model.max_model_len:
+        cache = config.cache
+        budget = (
+            f"engine_args.num_kv_blocks {cache.num_blocks}"
+            if cache.num_blocks
+            else f"engine_args.kv_cache_memory_bytes {cache.kv_cache_bytes}"
+        )
+        raise ValueError(
+            f"model {args.model!r}: max_model_len {config.model.max_model_len} exceeds the "
+            f"KV cache's {capacity} tokens ({budget}, blocks of {cache.block_size} tokens); "
+            "raise the KV budget or lower max_model_len"
+        )
+    _check_files("model", args.model, config.model.path)
+    if args.embedding_model is not None:
+        _check_embedding_model(args.embedding_model)
+    args.separate_encoder()
+    return config
+
+
+def kv_capacity_tokens(config: EngineConfig) -> int:
+    """How many tokens an engine replica's KV cache holds (as ModelRunner sizes it)."""
+    num_blocks = config.cache.num_blocks or max(
+        1, config.cache.kv_cache_bytes // kv_bytes_per_block(config)
+    )
+    return num_blocks * config.cache.block_size
+
+
+def _check_embedding_model(model: str) -> None:
+    try:
+        path = resolve_model(model)
+        architecture = (load_hf_config(path).get("architectures") or [""])[0]
+    except ValueError as err:
+        raise ValueError(f"embedding_model {model!r}: {err}") from None
+    if architecture not in EMBEDDING_ARCHITECTURES:
+        raise ValueError(
+            f"embedding_model {model!r} ({architecture or 'no architecture'}) cannot embed; "
+            f"supported architectures: {list(EMBEDDING_ARCHITECTURES)}"
+        )
+    _check_files("embedding_model", model, path)
+
+
+def _check_files(arg: str, model: str, path: str | os.PathLike[str]) -> None:
+    """Every weight file's header reads (no tensor is loaded) and the tokenizer loads."""
+    try:
+        for _ in iter_weights(path, keep=lambda name: False):
+            pass
+    except (OSError, ValueError, SafetensorError) as err:
+        raise ValueError(f"{arg} {model!r}: its weights in {path} do not read: {err}") from None
+    try:
+        Tokenizer(path)
+    except Exception as err:  # transformers raises OSError, ValueError or its own types
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        raise ValueError(
+            f"{arg} {model!r}: the tokenizer in {path} does not load: {lines[0].rstrip(': ')}"
+        ) from None
 
 
 def build_openai_app(
