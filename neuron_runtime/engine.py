@@ -16,6 +16,7 @@ from neuron_runtime.outputs import RequestOutput, RequestOutputKind
 from neuron_runtime.request import Request, RequestStatus
 from neuron_runtime.sampling_params import SamplingParams
 from neuron_runtime.scheduler import Scheduler
+from neuron_runtime.structured_output import GrammarCompiler, StructuredOutputManager
 from neuron_runtime.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict
@@ -37,6 +38,7 @@ class EngineStats:
     num_unfinished_outputs: int
     num_kv_exports: int = 0  # requests handed off to a decode engine (prefill role)
     num_kv_imports: int = 0  # requests continued from another engine's KV (decode role)
+    num_grammar_states: int = 0  # grammar-constrained requests (compiling or running)
 
 
 class LLMEngine:
@@ -59,7 +61,14 @@ class LLMEngine:
         self.kv = KVCacheManager(
             self.runner.num_blocks, block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len)
+        self.structured = StructuredOutputManager(
+            GrammarCompiler(
+                self.tokenizer.hf_tokenizer, config.model.vocab_size, self.tokenizer.eos_token_id
+            )
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, config.model.max_model_len, self.structured
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._handoffs: dict[str, KVHandoff] = {}  # parent id -> export waiting for its output
         self.num_kv_exports = 0
@@ -211,6 +220,7 @@ class LLMEngine:
             num_unfinished_outputs=len(self.output_processor.parents),
             num_kv_exports=self.num_kv_exports,
             num_kv_imports=self.num_kv_imports,
+            num_grammar_states=self.structured.num_states,
         )
 
     def _images(

@@ -36,6 +36,7 @@ from neuron_runtime.sampler import (
     top_logprobs,
 )
 from neuron_runtime.scheduler import ScheduledSeq, SchedulerOutput
+from neuron_runtime.structured_output import apply_grammar_bitmasks
 
 
 @dataclass
@@ -254,6 +255,8 @@ class ModelRunner:
             logits = apply_logit_bias(logits, [s.params.logit_bias for s in seqs])
         if any(s.params.allowed_token_ids for s in seqs):
             logits = apply_allowed_tokens(logits, [s.params.allowed_token_ids for s in seqs])
+        if any(s.grammar_bitmask is not None for s in seqs):
+            logits = apply_grammar_bitmasks(logits, [s.grammar_bitmask for s in seqs])
         return logits
 
     def _prompt_logprobs(

@@ -6,6 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from neuron_runtime.structured_output.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence/frequency penalties live in [-2, 2], as in OpenAI's API
 MAX_LOGIT_BIAS = 100.0
@@ -52,6 +54,9 @@ class SamplingParams:
     # Words never to produce: the engine tokenizes each (as given and after a space) and bans
     # a word's last token whenever the output already ends with the rest of it.
     bad_words: list[str] | None = None
+    # Grammar-constrained decoding: a JSON schema, regex, choice or grammar the output must
+    # match (structured_output/). A dict is read as StructuredOutputsParams' fields.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +66,8 @@ class SamplingParams:
         # -1 is vLLM's spelling of "no top-k"; keep one internal meaning (0 = off).
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -131,6 +138,15 @@ class SamplingParams:
                     f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
                     f"got {bias} for token {token_id}"
                 )
+
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            # The grammar decides when EOS may come; these would overrule it.
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured_outputs")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured_outputs")
 
     @property
     def greedy(self) -> bool:

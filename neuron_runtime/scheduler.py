@@ -6,12 +6,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from neuron_runtime.config import SchedulerConfig
 from neuron_runtime.kv_cache import KVCacheManager
 from neuron_runtime.kv_transfer import KVPayload
 from neuron_runtime.multimodal import MultiModalInput, images_overlapping
 from neuron_runtime.request import Request, RequestStatus
 from neuron_runtime.sampling_params import SamplingParams
+from neuron_runtime.structured_output import StructuredOutputManager
 
 
 @dataclass
@@ -37,6 +40,9 @@ class ScheduledSeq:
     kv_import: KVPayload | None = None
     # Images with placeholders inside this slice (whole inputs; the runner cuts their rows).
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    # Grammar-constrained sampling slice: the tokens the grammar allows next, a
+    # [ceil(vocab / 32)] int32 bitmask row (structured_output/bitmask.py).
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -60,7 +66,13 @@ class Scheduler:
     are freed and it restarts from its prompt plus the tokens it already produced.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        structured: StructuredOutputManager | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -70,6 +82,9 @@ class Scheduler:
         # leader req_id -> forks of its prompt waiting for the leader's prompt KV
         self.held_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        # Grammar state of constrained requests; they wait until their grammar compiled.
+        self.structured = structured
+        self._grammar_failed: list[Request] = []  # reported by the next update()
 
     def add_request(self, request: Request, fork_of: str | None = None) -> None:
         """Queues a request. A fork (``fork_of``: another sample of the same prompt) waits
@@ -78,6 +93,10 @@ class Scheduler:
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         self.requests[request.req_id] = request
+        if request.params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs needs an engine with a grammar compiler")
+            self.structured.add(request.req_id, request.params.structured_outputs)
         shareable = self.kv.enable_prefix_caching and request.params.prompt_logprobs is None
         if fork_of is not None and shareable and fork_of in self.requests:
             self.held_forks.setdefault(fork_of, []).append(request)
@@ -116,8 +135,13 @@ class Scheduler:
                 continue
             break  # the request preempted itself: nothing else can fit either
 
+        compiling: list[Request] = []  # passed over: their grammar is not ready yet
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self._grammar_ready(request):
+                if not request.status.finished:  # else the grammar failed and ended it
+                    compiling.append(self.waiting.popleft())
+                continue
             if request.kv_import is not None:
                 # Imported KV counts as computed: only the tokens after it need a forward pass.
                 request.num_computed_tokens = request.kv_import.metadata.num_tokens
@@ -148,8 +172,27 @@ class Scheduler:
             budget -= num_new
             out.seqs.append(seq)
 
+        self.waiting.extendleft(reversed(compiling))
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        if self.structured is not None:
+            sampling = [s for s in out.seqs if s.sample]
+            rows = self.structured.bitmask([s.req_id for s in sampling])
+            for seq in sampling:
+                seq.grammar_bitmask = rows.get(seq.req_id)
+            if not out.seqs and compiling:
+                self.structured.wait_for_compiles(0.01)
         return out
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """True when the request may run; a grammar that failed ends it with an error."""
+        if self.structured is None:
+            return True
+        ready, error = self.structured.status(request.req_id, request.output_token_ids)
+        if error is not None:
+            request.error = error
+            self.finish(request.req_id, RequestStatus.FINISHED_ERROR)
+            self._grammar_failed.append(request)
+        return ready
 
     def _slice(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
@@ -194,7 +237,7 @@ class Scheduler:
         ``sampled`` maps req_id -> new token for each slice that sampled; ``failed`` maps
         req_id -> error for rows the model could not produce (those requests end with an error).
         """
-        updated = []
+        updated, self._grammar_failed = self._grammar_failed, []
         for seq in output.seqs:
             request = self.requests.get(seq.req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -213,6 +256,10 @@ class Scheduler:
                 continue
             request.append_token(token)
             updated.append(request)
+            if self.structured is not None and not self.structured.accept(request.req_id, token):
+                request.error = "no token the grammar allows was left to sample"
+                self.finish(request.req_id, RequestStatus.FINISHED_ERROR)
+                continue
             if request.check_stop(self.max_model_len):
                 self.finish(request.req_id, request.status)
         return updated
@@ -233,4 +280,6 @@ class Scheduler:
         self._release_forks(req_id)
         request.status = status
         self.kv.free(request)
+        if self.structured is not None:
+            self.structured.release(req_id)
         return request

@@ -34,6 +34,17 @@ class Tokenizer:
         return self._hf.bos_token_id
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer itself (grammar engines build their token tables from it)."""
+        return self._hf
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's Jinja source (None: the model has none)."""
+        template = self._hf.chat_template
+        return template if isinstance(template, str) else None
+
+    @property
     def vocab_size(self) -> int:
         """Size of the full vocabulary, added tokens included."""
         return len(self._hf)
@@ -77,17 +88,27 @@ class Tokenizer:
         text = self._render_chat(messages, add_generation_prompt)
         return self._encode_rendered(text) if tokenize else text
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of the chat prompt (generation prompt appended), with BOS exactly once."""
-        return self._encode_rendered(self._render_chat(messages, add_generation_prompt=True))
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of the chat prompt (generation prompt appended), with BOS exactly once.
 
-    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        ``tools`` (OpenAI function tools) go to the template as its ``tools`` variable.
+        """
+        return self._encode_rendered(self._render_chat(messages, True, tools))
+
+    def _render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if not self._hf.chat_template:
             raise ValueError(
                 "this model has no chat template; use a plain prompt instead of messages"
             )
         return self._hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
 
     def _encode_rendered(self, text: str) -> list[int]:

@@ -1,0 +1,114 @@
+"""Per-request grammar state for the scheduler: compile status, matcher, batch bitmask.
+
+Lifecycle of a constrained request:
+
+    add()       compile starts on the worker thread (or hits the cache)
+    status()    the scheduler admits the request once its grammar is ready; the matcher
+                is created then and consumes the output tokens the request already has
+                (a KV handoff's first token, or tokens kept across a preemption)
+    bitmask()   before each step: one bitmask row per constrained request that samples
+    accept()    after each step: the sampled token advances the matcher
+    release()   when the request ends, whatever the reason
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from neuron_runtime.structured_output.compiler import CompileJob, GrammarCompiler
+
+
+@dataclass
+class _GrammarState:
+    job: CompileJob
+    matcher: Any = None  # llguidance.LLMatcher once the grammar is ready
+    num_consumed: int = 0  # output tokens the matcher has consumed
+
+
+class StructuredOutputManager:
+    """Grammar state of the constrained requests of one engine, keyed by request id."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self.states: dict[str, _GrammarState] = {}
+        self._executor: Any = None  # llguidance.LLExecutor, made with the first bitmask
+
+    def add(self, req_id: str, params: Any) -> None:
+        """Starts compiling the request's grammar (``params``: StructuredOutputsParams)."""
+        self.states[req_id] = _GrammarState(self.compiler.submit(params))
+
+    def status(self, req_id: str, output_token_ids: list[int]) -> tuple[bool, str | None]:
+        """(ready, error) for a request; unconstrained requests are always ready.
+
+        On the first call after its grammar compiled, the request's matcher is created and
+        consumes ``output_token_ids`` (tokens another engine or an earlier run produced).
+        """
+        state = self.states.get(req_id)
+        if state is None:
+            return True, None
+        if state.matcher is None:
+            future, started = state.job.future, state.job.started_at
+            if not future.done():
+                timeout = self.compiler.timeout_s
+                if started is not None and time.monotonic() - started > timeout:
+                    return False, f"the grammar did not compile within {timeout:g} s"
+                return False, None
+            exc = future.exception()
+            if exc is not None:
+                return False, str(exc)
+            state.matcher = future.result().matcher()
+        pending = output_token_ids[state.num_consumed :]
+        if pending and not state.matcher.consume_tokens(pending):
+            return False, "the tokens produced so far do not match the grammar"
+        state.num_consumed = len(output_token_ids)
+        return True, None
+
+    def accept(self, req_id: str, token_id: int) -> bool:
+        """Advances the request's matcher by its new token; False if the grammar rejects it
+        (every allowed token had a -inf logit, e.g. banned by another parameter)."""
+        state = self.states.get(req_id)
+        if state is None:
+            return True
+        state.num_consumed += 1
+        return bool(state.matcher.consume_token(token_id))
+
+    def bitmask(self, req_ids: list[str]) -> dict[str, torch.Tensor]:
+        """The allowed tokens of each constrained request among ``req_ids`` (the requests
+        that sample this step): a [ceil(V / 32)] int32 row each, views of one batch tensor."""
+        import llguidance
+        import llguidance.torch
+
+        constrained = [r for r in req_ids if r in self.states]
+        if not constrained:
+            return {}
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=1)
+        bitmask = llguidance.torch.allocate_token_bitmask(
+            len(constrained), self.compiler.vocab_size
+        )  # [R, ceil(V / 32)] int32
+        matchers = [(self.states[r].matcher, i) for i, r in enumerate(constrained)]
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        return {r: bitmask[i] for i, r in enumerate(constrained)}
+
+    def release(self, req_id: str) -> None:
+        self.states.pop(req_id, None)
+
+    def wait_for_compiles(self, timeout_s: float) -> None:
+        """Blocks until a pending compile finishes or ``timeout_s`` passes (an idle engine
+        waits here instead of stepping in a loop)."""
+        pending = [s.job.future for s in self.states.values() if s.matcher is None]
+        if pending:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    @property
+    def num_states(self) -> int:
+        return len(self.states)
+
+    @property
+    def num_compiling(self) -> int:
+        return sum(1 for s in self.states.values() if not s.job.future.done())
