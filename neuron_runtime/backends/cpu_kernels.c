@@ -7,12 +7,222 @@
  *
  * cpu_kernels.py compiles this file on first use and calls it through ctypes; every kernel has
  * a torch twin (layers/) that is used when no C compiler is present and that the tests compare
- * against. All tensors are contiguous fp32 unless a stride says otherwise; one thread.
+ * against. All tensors are contiguous fp32 unless a stride says otherwise.
+ *
+ * The kernels split their work over a pool of threads (set_num_threads); every output element
+ * is computed by one thread in the same order whatever the thread count, so results do not
+ * depend on it.
  */
+#define _GNU_SOURCE
+#include <limits.h>
+#include <linux/futex.h>
 #include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/*
+ * The thread pool: num_threads - 1 workers, created once, plus the calling thread.
+ *
+ * A job is `tasks` independent tasks of fn, handed out `grain` at a time from one counter
+ * (`cursor`: the job's generation in the high 32 bits, the next task in the low 32), so a
+ * thread that starts late, or is preempted by another process on a shared host, only takes
+ * fewer of them; the caller works through the tasks too and returns when all are done.
+ * Between jobs a worker spins for SPIN_NS (a forward pass calls a kernel every few tens of
+ * microseconds), then sleeps on a futex, so an idle engine costs no CPU.
+ */
+typedef void (*task_fn)(const void *ctx, int64_t begin, int64_t end);
+
+#define MAX_THREADS 256
+#define SPIN_NS 100000
+
+static struct {
+    pthread_mutex_t lock;          /* one job at a time; set_num_threads */
+    _Atomic int threads;           /* workers + the caller */
+    pthread_t workers[MAX_THREADS];
+    task_fn fn;                    /* the current job, written before its generation */
+    const void *ctx;
+    int64_t tasks, grain;
+    _Atomic uint64_t cursor;       /* generation << 32 | next task */
+    _Atomic uint32_t generation;   /* futex: a new job (or stop) */
+    _Atomic uint32_t done;         /* tasks finished in the current job; futex for the caller */
+    _Atomic uint32_t sleepers;     /* workers asleep (or about to be) on generation */
+    _Atomic uint32_t caller_asleep;
+    _Atomic int stop;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .threads = 1};
+
+static void futex_wait(_Atomic uint32_t *addr, uint32_t expected) {
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *addr) {
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Spins until (*addr == value) == equal, for at most SPIN_NS; returns whether it came. */
+static int spin_until(_Atomic uint32_t *addr, uint32_t value, int equal) {
+    const int64_t until = now_ns() + SPIN_NS;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if ((atomic_load_explicit(addr, memory_order_acquire) == value) == equal) return 1;
+            cpu_relax();
+        }
+        if (now_ns() > until) return 0;
+    }
+}
+
+/* Takes tasks of job `gen` until none are left (or the job is over). */
+static void work_on(uint32_t gen) {
+    uint64_t c = atomic_load(&pool.cursor);
+    for (;;) {
+        if ((uint32_t)(c >> 32) != gen) return;
+        /* Read before the exchange: the fields cannot change while the cursor still holds
+         * this job with tasks left, and a successful exchange proves it did throughout. */
+        const int64_t next = (int64_t)(uint32_t)c;
+        const int64_t tasks = pool.tasks, grain = pool.grain;
+        const task_fn fn = pool.fn;
+        const void *ctx = pool.ctx;
+        if (next >= tasks) return;
+        if (!atomic_compare_exchange_weak(&pool.cursor, &c, c + (uint64_t)grain)) continue;
+        const int64_t end = next + grain < tasks ? next + grain : tasks;
+        fn(ctx, next, end);
+        if (atomic_fetch_add(&pool.done, (uint32_t)(end - next)) + (end - next) == tasks &&
+            atomic_load(&pool.caller_asleep))
+            futex_wake(&pool.done);
+        c = atomic_load(&pool.cursor);
+    }
+}
+
+static void *worker_main(void *arg) {
+    uint32_t seen = (uint32_t)(uintptr_t)arg;
+    for (;;) {
+        if (!spin_until(&pool.generation, seen, 0)) {
+            atomic_fetch_add(&pool.sleepers, 1);
+            while (atomic_load(&pool.generation) == seen) futex_wait(&pool.generation, seen);
+            atomic_fetch_sub(&pool.sleepers, 1);
+        }
+        seen = atomic_load(&pool.generation);
+        if (atomic_load(&pool.stop)) return NULL;
+        work_on(seen);
+    }
+}
+
+/*
+ * Runs fn over tasks [0, tasks), `grain` per call, on the pool; returns when all are done.
+ * Runs them all on the calling thread when the pool has no workers, when there is only one
+ * piece of work, or when another thread's job holds the pool (ctypes calls drop the GIL).
+ */
+static void parallel_for(task_fn fn, const void *ctx, int64_t tasks, int64_t grain) {
+    if (tasks <= 0) return;
+    if (grain < 1) grain = 1;
+    if (pool.threads == 1 || grain >= tasks || pthread_mutex_trylock(&pool.lock) != 0) {
+        fn(ctx, 0, tasks);
+        return;
+    }
+    if (pool.threads == 1) { /* resized to one while we waited for the lock */
+        pthread_mutex_unlock(&pool.lock);
+        fn(ctx, 0, tasks);
+        return;
+    }
+    const uint32_t gen = atomic_load(&pool.generation) + 1;
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.tasks = tasks;
+    pool.grain = grain;
+    atomic_store(&pool.done, 0);
+    atomic_store(&pool.cursor, (uint64_t)gen << 32);
+    atomic_store(&pool.generation, gen);
+    if (atomic_load(&pool.sleepers)) futex_wake(&pool.generation);
+    work_on(gen);
+    /* Workers may still be finishing the tasks they took. */
+    spin_until(&pool.done, (uint32_t)tasks, 1);
+    for (uint32_t d; (d = atomic_load(&pool.done)) != (uint32_t)tasks;) {
+        atomic_store(&pool.caller_asleep, 1);
+        if ((d = atomic_load(&pool.done)) != (uint32_t)tasks) futex_wait(&pool.done, d);
+        atomic_store(&pool.caller_asleep, 0);
+    }
+    pthread_mutex_unlock(&pool.lock);
+}
+
+static void stop_workers(void) {
+    atomic_store(&pool.stop, 1);
+    atomic_fetch_add(&pool.generation, 1);
+    futex_wake(&pool.generation);
+    for (int i = 0; i < pool.threads - 1; i++) pthread_join(pool.workers[i], NULL);
+    atomic_store(&pool.stop, 0);
+    atomic_store(&pool.threads, 1);
+}
+
+static void start_workers(int n) {
+    /* Workers take no signals: Python handles them on its main thread. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    const uintptr_t gen = atomic_load(&pool.generation);
+    int started = 0;
+    while (started < n - 1 &&
+           pthread_create(&pool.workers[started], NULL, worker_main, (void *)gen) == 0)
+        started++;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    atomic_store(&pool.threads, started + 1);
+}
+
+/* A forked child has only the thread that forked: it starts with no workers. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    atomic_store(&pool.threads, 1);
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.caller_asleep, 0);
+}
+
+__attribute__((constructor)) static void pool_init(void) {
+    pthread_atfork(NULL, NULL, pool_after_fork);
+}
+
+/* Sizes the pool to n threads, the caller included (1: everything on the caller). */
+void set_num_threads(int64_t n) {
+    n = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n;
+    pthread_mutex_lock(&pool.lock);
+    if (n != pool.threads) {
+        stop_workers();
+        start_workers((int)n);
+    }
+    pthread_mutex_unlock(&pool.lock);
+}
+
+int64_t num_threads(void) { return pool.threads; }
+
+/*
+ * How many tasks a job of `tasks` gets per grab: about TASKS_PER_THREAD grabs per thread, so
+ * a late or preempted thread leaves its share to the others, and at least min_grain tasks
+ * (work too small to be worth a cache line passed between cores stays on one).
+ */
+#define TASKS_PER_THREAD 4
+
+static int64_t grain_for(int64_t tasks, int64_t min_grain) {
+    const int64_t grain = tasks / (TASKS_PER_THREAD * (int64_t)pool.threads);
+    return grain > min_grain ? grain : min_grain < 1 ? 1 : min_grain;
+}
 
 /*
  * y = x @ w^T + bias for any number of rows, on weights packed once into panels
@@ -61,39 +271,84 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t i
     }
 }
 
-void packed_linear(const float *x, const float *packed, const float *bias, float *y, int64_t m,
-                   int64_t in, int64_t out) {
-    const int64_t panels = (out + PANEL - 1) / PANEL;
-    for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
-        const int64_t r1 = r0 + ROW_BLOCK < m ? r0 + ROW_BLOCK : m;
-        for (int64_t p = 0; p < panels; p++) {
-            const float *panel = packed + p * in * PANEL;
-            const int64_t c0 = p * PANEL, cols = out - c0 < PANEL ? out - c0 : PANEL;
-            const float *b = bias != NULL ? bias + c0 : NULL;
-            float *yp = y + c0;
-            /* Several row tiles share this panel: they fetch the next one between them, a
-             * line every ahead_every steps, so it is in cache when its first tile starts
-             * instead of being read at the speed of memory. With one or two tiles the weights
-             * are read about as fast as they are used, and the hardware streams them. */
-            const int64_t tiles = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS;
-            const int64_t lines = in * PANEL / 16;
-            const int64_t every = tiles > 2 ? (in * tiles + lines - 1) / lines : 0;
-            const float *ahead = tiles > 2 && p + 1 < panels ? panel + in * PANEL : NULL;
-            int64_t r = r0;
+struct linear_job {
+    const float *x, *packed, *bias;
+    float *y;
+    int64_t m, in, out, panels, chunks, chunk_panels;
+};
+
+/* Rows [r0, r1) (one row block) times panels [p0, p1). */
+static void linear_block(const struct linear_job *j, int64_t r0, int64_t r1, int64_t p0,
+                         int64_t p1) {
+    const int64_t in = j->in, out = j->out;
+    for (int64_t p = p0; p < p1; p++) {
+        const float *panel = j->packed + p * in * PANEL;
+        const int64_t c0 = p * PANEL, cols = out - c0 < PANEL ? out - c0 : PANEL;
+        const float *b = j->bias != NULL ? j->bias + c0 : NULL;
+        float *yp = j->y + c0;
+        const float *x = j->x;
+        /* Several row tiles share this panel: they fetch the next one between them, a
+         * line every ahead_every steps, so it is in cache when its first tile starts
+         * instead of being read at the speed of memory. With one or two tiles the weights
+         * are read about as fast as they are used, and the hardware streams them. */
+        const int64_t tiles = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS;
+        const int64_t lines = in * PANEL / 16;
+        const int64_t every = tiles > 2 ? (in * tiles + lines - 1) / lines : 0;
+        const float *ahead = tiles > 2 && p + 1 < p1 ? panel + in * PANEL : NULL;
+        int64_t r = r0;
 #define TILE(n)                                                                              \
     do {                                                                                     \
         tile(x + r * in, in, panel, b, yp + r * out, out, cols, n, ahead, every);            \
         if (ahead != NULL) ahead += (in / every) * 16;                                       \
         r += n;                                                                              \
     } while (0)
-            /* Whole tiles, then 4, 2 and 1 rows: constant row counts keep the sums in registers. */
-            while (r + TILE_ROWS <= r1) TILE(TILE_ROWS);
-            if (r + 4 <= r1) TILE(4);
-            if (r + 2 <= r1) TILE(2);
-            if (r < r1) TILE(1);
+        /* Whole tiles, then 4, 2 and 1 rows: constant row counts keep the sums in registers. */
+        while (r + TILE_ROWS <= r1) TILE(TILE_ROWS);
+        if (r + 4 <= r1) TILE(4);
+        if (r + 2 <= r1) TILE(2);
+        if (r < r1) TILE(1);
 #undef TILE
-        }
     }
+}
+
+/* Task t: row block t / chunks, panels of chunk t % chunks. */
+static void linear_tasks(const void *ctx, int64_t begin, int64_t end) {
+    const struct linear_job *j = ctx;
+    for (int64_t t = begin; t < end; t++) {
+        const int64_t r0 = t / j->chunks * ROW_BLOCK, p0 = t % j->chunks * j->chunk_panels;
+        const int64_t r1 = r0 + ROW_BLOCK < j->m ? r0 + ROW_BLOCK : j->m;
+        const int64_t p1 = p0 + j->chunk_panels < j->panels ? p0 + j->chunk_panels : j->panels;
+        linear_block(j, r0, r1, p0, p1);
+    }
+}
+
+/*
+ * Threads split the output columns (chunks of whole panels) and, when there are few panels
+ * for many rows, the row blocks: each output element is still one tile's sum, in the same
+ * order as on one thread.
+ */
+void packed_linear(const float *x, const float *packed, const float *bias, float *y, int64_t m,
+                   int64_t in, int64_t out) {
+    const int64_t panels = (out + PANEL - 1) / PANEL;
+    const int64_t row_blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
+    /* Enough tasks for TASKS_PER_THREAD each, in as few chunks per row block as that takes. */
+    const int64_t wanted = TASKS_PER_THREAD * (int64_t)pool.threads;
+    int64_t chunks = (wanted + row_blocks - 1) / row_blocks;
+    chunks = chunks < panels ? chunks : panels;
+    const int64_t chunk_panels = (panels + chunks - 1) / chunks;
+    chunks = (panels + chunk_panels - 1) / chunk_panels;
+    const struct linear_job job = {x, packed, bias, y, m, in, out, panels, chunks, chunk_panels};
+    parallel_for(linear_tasks, &job, row_blocks * chunks, 1);
+}
+
+/*
+ * The per-row kernels below split their rows over the pool only when a grab gets at least
+ * MIN_ROW_WORK floats of work: a decode step's few rows cost less than handing them over.
+ */
+#define MIN_ROW_WORK 16384
+
+static int64_t row_grain(int64_t rows, int64_t floats_per_row) {
+    return grain_for(rows, (MIN_ROW_WORK + floats_per_row - 1) / floats_per_row);
 }
 
 /* out[r] = x[r] / rms(x[r]) * weight, rms(v) = sqrt(mean(v^2) + eps). */
@@ -105,44 +360,73 @@ static void rms_norm_row(const float *x, const float *weight, float *out, int64_
     for (int64_t i = 0; i < hidden; i++) out[i] = x[i] * inv * weight[i];
 }
 
+struct norm_job {
+    float *x;
+    const float *residual, *weight;
+    float *out;
+    int64_t hidden;
+    float eps;
+};
+
+static void norm_rows(const void *ctx, int64_t begin, int64_t end) {
+    const struct norm_job *j = ctx;
+    const int64_t hidden = j->hidden;
+    for (int64_t r = begin; r < end; r++) {
+        float *xr = j->x + r * hidden;
+        if (j->residual != NULL) {
+            const float *res = j->residual + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) xr[i] += res[i];
+        }
+        rms_norm_row(xr, j->weight, j->out + r * hidden, hidden, j->eps);
+    }
+}
+
 /*
  * For each of `rows` rows of `hidden`: x += residual (when residual is not NULL), then
  * out = rms_norm(x) * weight. x ends up holding the new residual stream.
  */
 void add_rms_norm(float *x, const float *residual, const float *weight, float *out, int64_t rows,
                   int64_t hidden, float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        float *xr = x + r * hidden;
-        if (residual != NULL) {
-            const float *res = residual + r * hidden;
-            for (int64_t i = 0; i < hidden; i++) xr[i] += res[i];
-        }
-        rms_norm_row(xr, weight, out + r * hidden, hidden, eps);
+    const struct norm_job job = {x, residual, weight, out, hidden, eps};
+    parallel_for(norm_rows, &job, rows, row_grain(rows, 3 * hidden));
+}
+
+struct silu_job {
+    const float *gate_up;
+    float *out;
+    int64_t inter;
+};
+
+static void silu_rows(const void *ctx, int64_t begin, int64_t end) {
+    const struct silu_job *j = ctx;
+    for (int64_t r = begin; r < end; r++) {
+        const float *gate = j->gate_up + r * 2 * j->inter;
+        const float *up = gate + j->inter;
+        float *o = j->out + r * j->inter;
+        for (int64_t i = 0; i < j->inter; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
 }
 
 /* out[r] = silu(gate_up[r, :inter]) * gate_up[r, inter:], silu(g) = g / (1 + exp(-g)). */
 void silu_and_mul(const float *gate_up, float *out, int64_t rows, int64_t inter) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * 2 * inter;
-        const float *up = gate + inter;
-        float *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
+    const struct silu_job job = {gate_up, out, inter};
+    parallel_for(silu_rows, &job, rows, row_grain(rows, 3 * inter));
 }
 
-/*
- * Rotates the first `heads` heads of each row in place (rotate-half pairs: element i with
- * element i + d/2) by that row's cos/sin tables, which hold d/2 values each.
- */
-void rotary_in_place(float *x, const float *cos, const float *sin, int64_t rows, int64_t heads,
-                     int64_t row_stride, int64_t d) {
-    const int64_t half = d / 2;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * half;
-        const float *s = sin + r * half;
-        for (int64_t h = 0; h < heads; h++) {
-            float *x1 = x + r * row_stride + h * d;
+struct rotary_job {
+    float *x;
+    const float *cos, *sin;
+    int64_t heads, row_stride, d;
+};
+
+static void rotary_rows(const void *ctx, int64_t begin, int64_t end) {
+    const struct rotary_job *j = ctx;
+    const int64_t half = j->d / 2;
+    for (int64_t r = begin; r < end; r++) {
+        const float *c = j->cos + r * half;
+        const float *s = j->sin + r * half;
+        for (int64_t h = 0; h < j->heads; h++) {
+            float *x1 = j->x + r * j->row_stride + h * j->d;
             float *x2 = x1 + half;
             for (int64_t i = 0; i < half; i++) {
                 const float a = x1[i], b = x2[i];
@@ -154,19 +438,45 @@ void rotary_in_place(float *x, const float *cos, const float *sin, int64_t rows,
 }
 
 /*
+ * Rotates the first `heads` heads of each row in place (rotate-half pairs: element i with
+ * element i + d/2) by that row's cos/sin tables, which hold d/2 values each.
+ */
+void rotary_in_place(float *x, const float *cos, const float *sin, int64_t rows, int64_t heads,
+                     int64_t row_stride, int64_t d) {
+    const struct rotary_job job = {x, cos, sin, heads, row_stride, d};
+    parallel_for(rotary_rows, &job, rows, row_grain(rows, heads * d + d));
+}
+
+struct kv_job {
+    const float *k, *v;
+    int64_t k_stride, v_stride;
+    float *k_cache, *v_cache;
+    const int64_t *slots;
+    int64_t kv_heads, d, cache_slots;
+};
+
+static void kv_rows(const void *ctx, int64_t begin, int64_t end) {
+    const struct kv_job *j = ctx;
+    const int64_t d = j->d;
+    for (int64_t r = begin; r < end; r++) {
+        for (int64_t h = 0; h < j->kv_heads; h++) {
+            const int64_t dst = (h * j->cache_slots + j->slots[r]) * d;
+            memcpy(j->k_cache + dst, j->k + r * j->k_stride + h * d, sizeof(float) * (size_t)d);
+            memcpy(j->v_cache + dst, j->v + r * j->v_stride + h * d, sizeof(float) * (size_t)d);
+        }
+    }
+}
+
+/*
  * Stores each row's keys and values (rows of `kv_heads` heads at row strides `k_stride`,
  * `v_stride`) into the caches [kv_heads, cache_slots, d] at that row's flat slot.
  */
 void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
               float *k_cache, float *v_cache, const int64_t *slots, int64_t rows,
               int64_t kv_heads, int64_t d, int64_t cache_slots) {
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const int64_t dst = (h * cache_slots + slots[r]) * d;
-            memcpy(k_cache + dst, k + r * k_stride + h * d, sizeof(float) * (size_t)d);
-            memcpy(v_cache + dst, v + r * v_stride + h * d, sizeof(float) * (size_t)d);
-        }
-    }
+    const struct kv_job job = {k, v, k_stride, v_stride, k_cache, v_cache, slots, kv_heads, d,
+                               cache_slots};
+    parallel_for(kv_rows, &job, rows, row_grain(rows, 4 * kv_heads * d));
 }
 
 /*
@@ -323,65 +633,82 @@ static inline int64_t first_key(int64_t ctx, int64_t window) {
     return window > 0 && ctx > window ? ctx - window : 0;
 }
 
+struct attention_job {
+    const float *q, *k_cache, *v_cache;
+    const int64_t *block_tables, *context_lens;
+    float *out;
+    int64_t q_stride, n, heads, kv_heads, d, block_size, max_blocks, head_stride, score_len;
+    float scale, softcap;
+    int64_t window;
+};
+
+/* Task t: sequence t / kv_heads, KV head t % kv_heads. */
+static void attention_pairs(const void *ctx, int64_t begin, int64_t end) {
+    const struct attention_job *j = ctx;
+    const int64_t kv_heads = j->kv_heads, d = j->d, block_size = j->block_size;
+    const int64_t group = j->heads / kv_heads;
+    float *scores = malloc(sizeof(float) * (size_t)(group * (j->score_len + 2)));
+    if (scores == NULL) abort();
+    float *top = scores + group * j->score_len, *total = top + group;
+    for (int64_t t = begin; t < end; t++) {
+        const int64_t b = t / kv_heads, h = t % kv_heads;
+        const int64_t ctx_len = j->context_lens[b];
+        const int64_t first = first_key(ctx_len, j->window);
+        const int64_t *table = j->block_tables + b * j->max_blocks;
+        const float *qh = j->q + b * j->q_stride + h * group * d;
+        const float *kh = j->k_cache + h * j->head_stride, *vh = j->v_cache + h * j->head_stride;
+        float *o = j->out + (b * j->heads + h * group) * d;
+        /* The (sequence, KV head) this thread takes next, whose first block this one's last
+         * block fetches: no hardware stream carries over from one to the next. */
+        const float *after_k = NULL, *after_v = NULL;
+        int64_t after_lines = 0;
+        if (t + 1 < end) {
+            const int64_t nb = (t + 1) / kv_heads, nh = (t + 1) % kv_heads;
+            const int64_t nctx = j->context_lens[nb], nfirst = first_key(nctx, j->window);
+            const int64_t skip = nfirst % block_size;
+            const int64_t keys = nctx - nfirst < block_size - skip ? nctx - nfirst
+                                                                   : block_size - skip;
+            const int64_t row = (j->block_tables[nb * j->max_blocks + nfirst / block_size] *
+                                 block_size + skip) * d + nh * j->head_stride;
+            after_k = j->k_cache + row;
+            after_v = j->v_cache + row;
+            after_lines = keys * d / 16;
+        }
+        /* Head sizes of whole vectors take the vector kernel, the common ones with a
+         * constant size; cache rows are then 64-byte aligned. */
+        if (d == 64)
+            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, 4, j->scale,
+                           j->softcap, after_k, after_v, after_lines, scores, top, total, o);
+        else if (d == 128)
+            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, 8, j->scale,
+                           j->softcap, after_k, after_v, after_lines, scores, top, total, o);
+        else if (d % 16 == 0)
+            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, (int)(d / 16),
+                           j->scale, j->softcap, after_k, after_v, after_lines, scores, top,
+                           total, o);
+        else
+            attend_kv_head_any(qh, kh, vh, table, first, ctx_len, block_size, group, d,
+                               j->scale, j->softcap, scores, o);
+    }
+    free(scores);
+}
+
+/* Threads split the (sequence, KV head) pairs; each pair is computed as on one thread. */
 void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
                             const float *v_cache, const int64_t *block_tables,
                             const int64_t *context_lens, float *out, int64_t n, int64_t heads,
                             int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t block_size,
                             int64_t max_blocks, float scale, int64_t window, float softcap) {
-    const int64_t group = heads / kv_heads;
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < n; b++)
         if (context_lens[b] > max_ctx) max_ctx = context_lens[b];
     /* The one-pass kernel needs group x block_size scores, the any-size one group x max_ctx. */
     const int64_t score_len = max_ctx > block_size ? max_ctx : block_size;
-    float *scores = malloc(sizeof(float) * (size_t)(group * (score_len + 2)));
-    if (scores == NULL) abort();
-    float *top = scores + group * score_len, *total = top + group;
-    const int64_t head_stride = num_blocks * block_size * d;  /* one KV head's whole cache */
-
-    for (int64_t b = 0; b < n; b++) {
-        const int64_t ctx = context_lens[b];
-        const int64_t first = first_key(ctx, window);
-        const int64_t *table = block_tables + b * max_blocks;
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const float *qh = q + b * q_stride + h * group * d;
-            const float *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;
-            float *o = out + (b * heads + h * group) * d;
-            /* The (sequence, KV head) after this one, whose first block this one's last
-             * block fetches: no hardware stream carries over from one to the next. */
-            const float *after_k = NULL, *after_v = NULL;
-            int64_t after_lines = 0;
-            if (h + 1 < kv_heads || b + 1 < n) {
-                const int64_t nb = h + 1 < kv_heads ? b : b + 1;
-                const int64_t nh = h + 1 < kv_heads ? h + 1 : 0;
-                const int64_t nctx = context_lens[nb], nfirst = first_key(nctx, window);
-                const int64_t skip = nfirst % block_size;
-                const int64_t keys = nctx - nfirst < block_size - skip ? nctx - nfirst
-                                                                       : block_size - skip;
-                const int64_t row = (block_tables[nb * max_blocks + nfirst / block_size] *
-                                     block_size + skip) * d + nh * head_stride;
-                after_k = k_cache + row;
-                after_v = v_cache + row;
-                after_lines = keys * d / 16;
-            }
-            /* Head sizes of whole vectors take the vector kernel, the common ones with a
-             * constant size; cache rows are then 64-byte aligned. */
-            if (d == 64)
-                attend_kv_head(qh, kh, vh, table, first, ctx, block_size, group, 4, scale,
-                               softcap, after_k, after_v, after_lines, scores, top, total, o);
-            else if (d == 128)
-                attend_kv_head(qh, kh, vh, table, first, ctx, block_size, group, 8, scale,
-                               softcap, after_k, after_v, after_lines, scores, top, total, o);
-            else if (d % 16 == 0)
-                attend_kv_head(qh, kh, vh, table, first, ctx, block_size, group, (int)(d / 16),
-                               scale, softcap, after_k, after_v, after_lines, scores, top,
-                               total, o);
-            else
-                attend_kv_head_any(qh, kh, vh, table, first, ctx, block_size, group, d, scale,
-                                   softcap, scores, o);
-        }
-    }
-    free(scores);
+    const struct attention_job job = {
+        q, k_cache, v_cache, block_tables, context_lens, out, q_stride, n, heads, kv_heads, d,
+        block_size, max_blocks, num_blocks * block_size * d /* one KV head's whole cache */,
+        score_len, scale, softcap, window};
+    parallel_for(attention_pairs, &job, n * kv_heads, grain_for(n * kv_heads, 1));
 }
 
 /*
@@ -391,8 +718,18 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cac
  * occurrence. Built with -ffast-math, so NaN is not looked for: the model runner fails rows
  * whose hidden state holds NaN.
  */
-void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
-    for (int64_t r = 0; r < rows; r++) {
+struct argmax_job {
+    const float *x;
+    int64_t cols;
+    int64_t *out;
+};
+
+static void argmax_tasks(const void *ctx, int64_t begin, int64_t end) {
+    const struct argmax_job *j = ctx;
+    const float *x = j->x;
+    const int64_t cols = j->cols;
+    int64_t *out = j->out;
+    for (int64_t r = begin; r < end; r++) {
         const float *row = x + r * cols;
         float top = row[0];
         int64_t c = 0;
@@ -408,4 +745,9 @@ void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
         while (first < cols - 1 && row[first] != top) first++;
         out[r] = first;
     }
+}
+
+void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
+    const struct argmax_job job = {x, cols, out};
+    parallel_for(argmax_tasks, &job, rows, row_grain(rows, cols));
 }

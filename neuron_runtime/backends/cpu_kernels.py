@@ -8,6 +8,9 @@ The shared library is cached under ``$NEURON_SERVE_CACHE/kernels``, keyed by the
 compiler flags and the CPU's feature flags (it is built for this CPU, ``-march=native``).
 The object is compiled with ``-ffast-math`` (vectorized ``expf``, reordered sums) but linked
 without it, so loading the library does not switch the process to flush-to-zero floats.
+
+The kernels run on a pool of threads inside the library (one per process, since ``kernels()``
+is built once), sized by ``CPUKernels.set_num_threads``; results do not depend on its size.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from neuron_runtime.model_store import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11", "-pthread"]
 BUILD_TIMEOUT_S = 120
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -41,6 +44,7 @@ _SIGNATURES = {
     + [_i64] * 7
     + [_f32, _i64, _f32],
     "argmax_rows": [_ptr, _i64, _i64, _ptr],
+    "set_num_threads": [_i64],
 }
 
 
@@ -59,7 +63,7 @@ def _build(compiler: str, target: Path) -> None:
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
         for cmd in (
             [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-            [compiler, "-shared", str(obj), "-o", str(lib), "-lm"],
+            [compiler, "-shared", "-pthread", str(obj), "-o", str(lib), "-lm"],
         ):
             subprocess.run(cmd, check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
         os.replace(lib, target)
@@ -74,7 +78,22 @@ class CPUKernels:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        lib.num_threads.argtypes, lib.num_threads.restype = [], _i64
         self._lib = lib
+
+    def set_num_threads(self, n: int) -> None:
+        """Sizes the kernels' thread pool to ``n`` threads, the calling one included.
+
+        Workers are created here and live until the next resize; between kernel calls they
+        spin for a tenth of a millisecond, then sleep, so an idle engine costs no CPU.
+        """
+        if n < 1:
+            raise ValueError(f"num_threads must be >= 1, got {n}")
+        self._lib.set_num_threads(n)
+
+    def num_threads(self) -> int:
+        """The pool's size (fewer than asked when the system refused a thread)."""
+        return int(self._lib.num_threads())
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> torch.Tensor:
@@ -220,6 +239,12 @@ class CPUKernels:
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.argmax_rows(x.data_ptr(), rows, cols, out.data_ptr())
         return out
+
+
+def default_num_threads() -> int:
+    """The cores this process may run on (its CPU affinity), the size of an engine's pools
+    when nothing sized them (a serving replica sizes them from its CPU allotment)."""
+    return len(os.sched_getaffinity(0))
 
 
 @functools.cache

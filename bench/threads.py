@@ -1,0 +1,178 @@
+"""Thread scaling of the offline engine: the same engine at 1 and 2 (or more) threads.
+
+One engine (default model, fp32, greedy, ignore_eos, no prefix caching); between runs the
+CPU kernels' pool and torch's intra-op pool are resized together, as ``num_threads`` sizes
+them. Thread counts alternate on every repeat (1, 2, 1, 2, ...) so background load on a shared
+box hits them alike; the script reports medians, the ratios to the first thread count, and
+checks that every thread count produced the same tokens. For each batch size B:
+
+- TPOT: (time for B requests of N output tokens - time for B requests of 1 token) / (N - 1),
+  the time of one decode step of the whole batch
+- tok/s: B * N output tokens / the time of the N-token run (prefill included)
+- cores: CPU seconds of this process / wall seconds over the N-token run
+
+    python bench/threads.py [--threads 1,2] [--batches 1,8,32] [--tokens 64] [--repeats 3]
+        [--torch-threads same|1] [--json bench/results/threads.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from neuron_runtime import LLM, SamplingParams
+from neuron_runtime.backends.cpu_kernels import kernels
+
+PROMPT = "Write a short story about a lighthouse keeper number {i} and the sea."
+
+
+def cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or platform.machine()
+    return next(
+        (line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line),
+        platform.machine(),
+    )
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return f"load average: {os.getloadavg()}"
+
+
+def set_threads(n: int, torch_threads: str) -> None:
+    """What ``num_threads=n`` sets in the CPU backend (torch's pool optionally kept at 1)."""
+    fused = kernels()
+    if fused is not None:
+        fused.set_num_threads(n)
+    torch.set_num_threads(n if torch_threads == "same" else 1)
+
+
+def run(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, float, list]:
+    """Wall seconds, CPU seconds and the generated token ids of one batch."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    start_cpu, start = cpu_s(), time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - start
+    return elapsed, cpu_s() - start_cpu, [o.outputs[0].token_ids for o in outputs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--torch-threads",
+        choices=["same", "1"],
+        default="same",
+        help="torch's intra-op pool: the same size as the kernels' (as the backend sets it) or 1",
+    )
+    parser.add_argument("--json", default="bench/results/threads.json")
+    args = parser.parse_args()
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    if kernels() is None:
+        raise SystemExit("the CPU kernels are off or did not build: nothing to scale")
+
+    uptime_before = uptime()
+    llm = LLM(
+        model=args.model,
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        max_num_seqs=max(batches),
+        num_threads=thread_counts[0],
+    )
+    encode = llm.get_tokenizer().encode
+    prompts = {b: [encode(PROMPT.format(i=i)) for i in range(b)] for b in batches}
+    for b in batches:  # first use of each batch shape is not timed
+        run(llm, prompts[b], 2)
+
+    runs: dict[int, dict[int, list[dict]]] = {n: {b: [] for b in batches} for n in thread_counts}
+    reference: dict[int, list] = {}
+    identical = True
+    for _ in range(args.repeats):
+        for n in thread_counts:
+            set_threads(n, args.torch_threads)
+            for b in batches:
+                one, _, _ = run(llm, prompts[b], 1)
+                wall, cpu, tokens = run(llm, prompts[b], args.tokens)
+                identical &= reference.setdefault(b, tokens) == tokens
+                runs[n][b].append(
+                    {"one_s": one, "n_s": wall, "cpu_s": cpu, "loadavg_1m": os.getloadavg()[0]}
+                )
+    uptime_after = uptime()
+
+    summary: dict[int, dict[int, dict[str, float]]] = {}
+    for n in thread_counts:
+        summary[n] = {}
+        for b in batches:
+            rs = runs[n][b]
+            summary[n][b] = {
+                "tpot_s": statistics.median(
+                    (r["n_s"] - r["one_s"]) / (args.tokens - 1) for r in rs
+                ),
+                "tok_s": statistics.median(b * args.tokens / r["n_s"] for r in rs),
+                "cores": statistics.median(r["cpu_s"] / r["n_s"] for r in rs),
+            }
+
+    base = thread_counts[0]
+    print(f"CPU: {cpu_model()}; before: {uptime_before}")
+    print(
+        f"model={args.model} tokens={args.tokens} repeats={args.repeats} "
+        f"torch threads={args.torch_threads}; medians, ratios to {base} thread(s)"
+    )
+    print(f"{'batch':>5} {'threads':>7} {'TPOT ms':>9} {'tok/s':>8} {'cores':>6} {'speedup':>8}")
+    for b in batches:
+        for n in thread_counts:
+            row = summary[n][b]
+            speedup = summary[base][b]["tpot_s"] / row["tpot_s"]
+            print(
+                f"{b:>5} {n:>7} {row['tpot_s'] * 1e3:>9.1f} {row['tok_s']:>8.1f} "
+                f"{row['cores']:>6.2f} {speedup:>7.2f}x"
+            )
+    print("speedup = TPOT at the first thread count / TPOT here")
+    print(f"after: {uptime_after}")
+    print(f"greedy tokens identical across thread counts: {identical}")
+
+    result = {
+        "model": args.model,
+        "cpu": cpu_model(),
+        "uptime_before": uptime_before,
+        "uptime_after": uptime_after,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "torch_threads": args.torch_threads,
+        "identical_tokens": identical,
+        "summary": {str(n): {str(b): v for b, v in s.items()} for n, s in summary.items()},
+        "runs": {str(n): {str(b): v for b, v in r.items()} for n, r in runs.items()},
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    if not identical:
+        raise SystemExit("greedy tokens differ between thread counts")
+
+
+if __name__ == "__main__":
+    main()
