@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from typing import Any
 
+import ray
 import torch
 from ray import serve
 from ray.serve.exceptions import RayServeException
@@ -15,6 +17,15 @@ from deployments.protocol import ImagePart, SeqDelta, StepOutput
 from neuron_runtime import AsyncEngine, EngineArgs
 from neuron_runtime.multimodal import MultiModalInput
 from neuron_runtime.outputs import RequestOutput
+
+
+def replica_num_threads() -> int | None:
+    """This replica's CPU allotment (``ray_actor_options.num_cpus``) rounded up, at least 1;
+    None outside Ray (the engine then takes the host's usable cores)."""
+    if not ray.is_initialized():  # get_runtime_context() would start a local cluster
+        return None
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    return max(1, math.ceil(round(cpus, 4)))
 
 
 class EngineReplica:
@@ -26,11 +37,14 @@ class EngineReplica:
         engine_cls: type | None = None,
         stall_timeout_s: float = 30.0,
     ) -> None:
-        # Several replicas, the ingress and Ray share the CPUs: oversubscribed torch thread
-        # pools slow every process down (PERF.md).
+        # Several replicas, the ingress and Ray share the CPUs: oversubscribed thread pools
+        # slow every process down (PERF.md). The engine's pools (the CPU kernels' and torch's)
+        # take num_threads, by default the CPUs this replica was given.
         torch.set_num_threads(1)
         engine_cls = engine_cls or AsyncEngine
         args = EngineArgs(**engine_args)
+        if args.num_threads is None:
+            args = dataclasses.replace(args, num_threads=replica_num_threads())
         self.engine = engine_cls.from_engine_args(args)
         self.block_size = args.block_size
         self.stall_timeout_s = stall_timeout_s

@@ -171,3 +171,20 @@ def test_engine_greedy_tokens_identical_on_1_and_2_threads(k):
         torch.set_num_threads(n)
         outputs[n] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outputs[1] == outputs[2]
+
+
+def test_replica_threads_follow_its_cpu_allotment(serve_cluster):
+    """A serving replica sizes its engine's pools from ``ray_actor_options.num_cpus``."""
+    import ray
+
+    from deployments.engine_replica import replica_num_threads
+
+    @ray.remote
+    class Probe:
+        def threads(self) -> int | None:
+            return replica_num_threads()
+
+    for cpus, expected in [(1.5, 2), (1, 1), (0.25, 1)]:
+        probe = Probe.options(num_cpus=cpus).remote()
+        assert ray.get(probe.threads.remote()) == expected
+        ray.kill(probe)
