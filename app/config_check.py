@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from pydantic import BaseModel, ValidationError
 from ray.serve._private.build_app import build_app as build_serve_app
+from ray.serve.deployment import Deployment
 from ray.serve.schema import DeploymentSchema, ServeApplicationSchema, ServeDeploySchema
 
 from app.builder import BuildArgs, build_openai_app, validate_args
@@ -36,7 +37,10 @@ from deployments.prefill import PrefillServer
 
 BUILDER = "app.builder:build_app"
 # Deployments whose replicas run the engine on engine_args.device; the others run on CPU.
-ENGINE_DEPLOYMENTS = frozenset({LLMServer.name, PrefillServer.name, DecodeServer.name})
+# (cast: mypy does not apply class decorators; @serve.deployment classes are Deployments.)
+ENGINE_DEPLOYMENTS = frozenset(
+    cast(Deployment, cls).name for cls in (LLMServer, PrefillServer, DecodeServer)
+)
 # device -> the Ray resource that places a replica on it (and pins its cores or GPUs)
 DEVICE_RESOURCES = {"neuron": "neuron_cores", "cuda": "GPU"}
 
@@ -62,14 +66,15 @@ def check_application(app: ServeApplicationSchema) -> None:
         raise ValueError(one_line(err, prefix="args.")) from None
     config = validate_args(args)
     built = {d.name: d for d in build_serve_app(build_openai_app(args), name=app.name).deployments}
-    for override in app.deployments:
-        if override.name not in built:
+    overrides = {d.name: d for d in app.deployments}
+    for name in overrides:
+        if name not in built:
             raise ValueError(
-                f"deployments: {override.name!r} is not a deployment of this application "
+                f"deployments: {name!r} is not a deployment of this application "
                 f"(it has {sorted(built)})"
             )
     for name, deployment in built.items():
-        override = next((d for d in app.deployments if d.name == name), None)
+        override = overrides.get(name)
         device = config.device if name in ENGINE_DEPLOYMENTS else "cpu"
         requested = _requested_resources(deployment, override)
         for accelerator, resource in DEVICE_RESOURCES.items():
@@ -107,7 +112,9 @@ def _check_known_keys(model: BaseModel, raw: dict[str, Any], where: str) -> None
 _OPTION_HINTS = {"neuron_cores": "resources: {neuron_cores: N}", "GPU": "num_gpus: N"}
 
 
-def _requested_resources(deployment: Any, override: DeploymentSchema | None) -> dict[str, float]:
+def _requested_resources(
+    deployment: Deployment, override: DeploymentSchema | None
+) -> dict[str, float]:
     """What one replica asks Ray for: the config's ray_actor_options replace the code's (as
     Serve applies them), plus placement group bundles."""
     if override is not None and "ray_actor_options" in override.model_fields_set:

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from app.errors import OpenAIError, install_handlers, sse_error
 from app.generation import Generation, PromptStream
@@ -213,7 +213,8 @@ class OpenAIIngress:
         return Generation(list(streams), seq_texts, timer)
 
     async def _open(self, request: GenerateRequest) -> PromptStream:
-        stream = self.llm_stream.generate.remote(request)
+        # A stream=True handle: remote() returns a DeploymentResponseGenerator.
+        stream = cast(DeploymentResponseGenerator, self.llm_stream.generate.remote(request))
         try:
             first = await stream.__anext__()
         except BackPressureError as exc:

@@ -74,8 +74,9 @@ class VisionEncoderServer:
         self.encoder = VisionEncoder.from_pretrained(resolve_model(model))
         self.cache = EmbeddingCache(cache_mib << 20)
         self.max_pixels = max_pixels
-        self._encode_batch.set_max_batch_size(max_batch_size)
-        self._encode_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        batch: Any = self._encode_batch  # serve.batch adds setters its type does not declare
+        batch.set_max_batch_size(max_batch_size)
+        batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         # Images being encoded: a second request for one waits for the first's result.
         self._pending: dict[str, asyncio.Future[EncodeResult]] = {}
         self.num_queries = 0

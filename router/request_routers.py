@@ -66,7 +66,9 @@ class PrefixAffinityRouter(_PolicyRouter):
         self.policy = PrefixAffinityPolicy(**kwargs)
 
     async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         request = _request(pending_request)
         hashes = _prompt_hashes(request) if request is not None else ()
@@ -101,7 +103,9 @@ class KVCapacityRouter(_PolicyRouter):
         return -(-tokens // block_size)
 
     async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         needed = self._blocks_needed(_request(pending_request), candidate_replicas)
         loads = [_load(self, r) for r in candidate_replicas]
@@ -119,7 +123,9 @@ class RendezvousRouter(_PolicyRouter):
     repeats of an image hit the embedding cache of the replica that encoded it."""
 
     async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         request = _request(pending_request)
         loads = [_load(self, r) for r in candidate_replicas]
