@@ -93,6 +93,48 @@ class SchedulerConfig:
             )
 
 
+GRAPH_MODES = ("eager", "inductor", "openxla", "lazy", "neuronx")
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """How steps run: eager with dynamic shapes, or as graphs compiled per shape bucket.
+
+    ``graph_mode``: ``eager`` (no compiler), ``inductor`` (torch.compile; CPU and CUDA),
+    ``openxla`` and ``lazy`` (torch-xla), ``neuronx`` (torch-neuronx on Trainium). Every mode
+    but ``eager`` runs the static runner (backends/static/): steps padded to buckets, one
+    compiled graph per (phase, bucket), all compiled at start. Empty bucket lists are generated
+    from the scheduler limits (powers of two, the maximum included).
+    """
+
+    graph_mode: str = "eager"
+    seq_buckets: tuple[int, ...] = ()  # decode batch sizes
+    token_buckets: tuple[int, ...] = ()  # prefill slice lengths
+    context_buckets: tuple[int, ...] = ()  # context lengths, in KV blocks
+    # top-k/top-p over this many best tokens instead of a full-vocabulary sort (Neuron: 256);
+    # None sorts the whole vocabulary, as the eager sampler does.
+    max_top_k: int | None = None
+    on_recompile: str = "warn"  # a compile after warm-up: "warn" or "error"
+
+    def __post_init__(self) -> None:
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(
+                f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {self.graph_mode!r}"
+            )
+        if self.on_recompile not in ("warn", "error"):
+            raise ValueError(f"on_recompile must be 'warn' or 'error', got {self.on_recompile!r}")
+        for name in ("seq_buckets", "token_buckets", "context_buckets"):
+            values = getattr(self, name)
+            if any(v < 1 for v in values) or list(values) != sorted(set(values)):
+                raise ValueError(f"{name} must be increasing positive integers, got {values}")
+        if self.max_top_k is not None and self.max_top_k < 1:
+            raise ValueError(f"max_top_k must be >= 1, got {self.max_top_k}")
+
+    @property
+    def static(self) -> bool:
+        return self.graph_mode != "eager"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs; built by ``EngineArgs.create_engine_config``."""
@@ -102,6 +144,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
     num_threads: int | None = None
+    graph: GraphConfig = field(default_factory=GraphConfig)
 
     def __post_init__(self) -> None:
         sched = self.scheduler

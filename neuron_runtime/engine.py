@@ -46,7 +46,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.backend = get_backend(config.device, config.num_threads)
+        self.backend = get_backend(config.device, config.num_threads, config.graph.graph_mode)
         self.tokenizer = Tokenizer(config.model.path)
         self.runner = ModelRunner(config, self.backend)
         self.vision = self.runner.vision  # None for a text-only model

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from neuron_runtime.backends.base import default_graph_mode
 from neuron_runtime.config import (
     CacheConfig,
     EngineConfig,
+    GraphConfig,
     ModelConfig,
     SchedulerConfig,
     text_config,
@@ -31,6 +33,13 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     device: str = "cpu"
     num_threads: int | None = None
+    # Static-shape graphs (config.GraphConfig): "eager" runs without a compiler.
+    graph_mode: str | None = None  # None: the device's default (neuron: neuronx)
+    seq_buckets: list[int] | None = None
+    token_buckets: list[int] | None = None
+    context_buckets: list[int] | None = None
+    max_top_k: int | None = None
+    on_recompile: str = "warn"
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
@@ -65,4 +74,12 @@ class EngineArgs:
             scheduler=scheduler,
             device=self.device,
             num_threads=self.num_threads,
+            graph=GraphConfig(
+                graph_mode=self.graph_mode or default_graph_mode(self.device),
+                seq_buckets=tuple(self.seq_buckets or ()),
+                token_buckets=tuple(self.token_buckets or ()),
+                context_buckets=tuple(self.context_buckets or ()),
+                max_top_k=self.max_top_k,
+                on_recompile=self.on_recompile,
+            ),
         )

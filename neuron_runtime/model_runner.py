@@ -14,14 +14,11 @@ import numpy as np
 import torch
 
 from neuron_runtime.backends import Backend
+from neuron_runtime.backends.static.runner import StaticRunner
+from neuron_runtime.backends.static.sampler import sampling_inputs
 from neuron_runtime.config import EngineConfig
 from neuron_runtime.kv_transfer import KVPayload
-from neuron_runtime.layers.attention import (
-    AttentionMetadata,
-    PrefillSlice,
-    decode_block_tables,
-    decode_groups,
-)
+from neuron_runtime.layers.attention import DecodeRows, PrefillSlice
 from neuron_runtime.loader import load_model
 from neuron_runtime.models.llava import LlavaForConditionalGeneration
 from neuron_runtime.models.registry import model_class
@@ -49,6 +46,22 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
+@dataclass
+class StepInputs:
+    """A step's slices laid out as flat token rows, decodes first (``prepare_inputs``)."""
+
+    seqs: list[ScheduledSeq]
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # flat cache slot of each row
+    decodes: DecodeRows = field(default_factory=lambda: DecodeRows([], []))
+    prefills: list[PrefillSlice] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)  # each sampling slice's last row
+    sample_seqs: list[ScheduledSeq] = field(default_factory=list)
+    prompt_rows: list[tuple[ScheduledSeq, int]] = field(default_factory=list)  # (slice, row)
+    image_rows: list[tuple[ScheduledSeq, int]] = field(default_factory=list)  # (slice, row)
+
+
 def _decodes_first(seq: ScheduledSeq) -> tuple[bool, int]:
     is_decode = len(seq.token_ids) == 1
     return (not is_decode, seq.start_pos if is_decode else 0)
@@ -70,6 +83,7 @@ class ModelRunner:
         cls = model_class(config.model.architecture)
         model = load_model(cls, config.model.hf_config, config.model.path)
         self.model: Any = backend.prepare_model(model)
+        self.ops = backend.ops
         # A vision-language model encodes images with its own tower (at request admission).
         self.vision: VisionEncoder | None = None
         if config.model.is_multimodal:
@@ -81,7 +95,9 @@ class ModelRunner:
             1, config.cache.kv_cache_bytes // kv_bytes_per_block(config)
         )
         m = config.model
-        shape = (m.num_kv_heads, self.num_blocks, self.block_size, m.head_dim)
+        # The static runner pads into one more block, never handed out (its null block).
+        extra = 1 if config.graph.static else 0
+        shape = (m.num_kv_heads, self.num_blocks + extra, self.block_size, m.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, device=self.device),
@@ -90,6 +106,12 @@ class ModelRunner:
             for _ in range(m.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+        self.static: StaticRunner | None = None
+        if config.graph.static:
+            self.static = StaticRunner(
+                config, self.model, self.kv_caches, self.num_blocks, self.device
+            )
+            self.static.warm_up()
 
     def release(self, req_id: str) -> None:
         """Forgets a finished request's random state."""
@@ -142,78 +164,88 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        # Single-token slices (decodes) first, shortest context first: they are batched into
-        # a few attention calls by context length (layers/attention.py).
-        seqs = sorted(out.seqs, key=_decodes_first)
-        for seq in seqs:
+        """One step: scheduled slices -> inputs -> forward -> sampled tokens."""
+        step = self.prepare_inputs(out)
+        hidden, logits = self.forward(step)
+        return self.sample(step, hidden, logits)
+
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """Orders the slices (decodes first, shortest context first: the torch ops batch them
+        by context length), writes imported KV and lays the step's tokens out flat."""
+        step = StepInputs(seqs=sorted(out.seqs, key=_decodes_first))
+        bs = self.block_size
+        for seq in step.seqs:
             if seq.kv_import is not None:
                 self.import_kv(seq.block_table, seq.kv_import)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[ScheduledSeq] = []
-        prefills: list[PrefillSlice] = []
-        prompt_rows: list[tuple[ScheduledSeq, int]] = []  # (slice, its first row)
-        image_rows: list[tuple[ScheduledSeq, int]] = []  # (slice with images, its first row)
-        num_decode = 0
-        bs = self.block_size
-        for seq in seqs:
-            q_start = len(input_ids)
+            q_start = len(step.input_ids)
             n = len(seq.token_ids)
             pos = range(seq.start_pos, seq.start_pos + n)
             if seq.prompt_logprob_targets:
-                prompt_rows.append((seq, q_start + seq.prompt_logprob_offset))
+                step.prompt_rows.append((seq, q_start + seq.prompt_logprob_offset))
             if seq.mm_inputs:
-                image_rows.append((seq, q_start))
-            input_ids.extend(seq.token_ids)
-            positions.extend(pos)
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
-            if n == 1 and not prefills:
-                num_decode += 1
+                step.image_rows.append((seq, q_start))
+            step.input_ids.extend(seq.token_ids)
+            step.positions.extend(pos)
+            step.slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
+            if n == 1 and not step.prefills:
+                step.decodes.block_tables.append(seq.block_table)
+                step.decodes.context_lens.append(seq.start_pos + 1)
             else:
                 num_blocks = -(-(seq.start_pos + n) // bs)
                 block_ids = torch.tensor(seq.block_table[:num_blocks], device=self.device)
-                prefills.append(PrefillSlice(q_start, n, seq.start_pos, block_ids))
+                step.prefills.append(PrefillSlice(q_start, n, seq.start_pos, block_ids))
             if seq.sample:
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
+                step.sample_rows.append(len(step.input_ids) - 1)
+                step.sample_seqs.append(seq)
+        return step
 
-        meta = self._metadata(seqs[:num_decode], slots, num_decode, prefills)
-        ids_t = torch.tensor(input_ids, device=self.device)
-        pos_t = torch.tensor(positions, device=self.device)
-        if image_rows:
-            embeds = self._embeds_with_images(ids_t, image_rows)
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta, inputs_embeds=embeds)
-        else:
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+    def forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over the step's tokens: hidden states [T, hidden] and the logits of the
+        sampling slices' last tokens [len(sample_seqs), vocab]."""
+        ids = torch.tensor(step.input_ids, device=self.device)
+        embeds = self._embeds_with_images(ids, step.image_rows) if step.image_rows else None
+        if self.static is not None:
+            return self._forward_static(step, ids, embeds)
+        meta = self.ops.attention_metadata(
+            step.slots, step.decodes, step.prefills, self.block_size, self.device
+        )
+        positions = torch.tensor(step.positions, device=self.device)
+        hidden = self.model(ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
+        return hidden, self.model.compute_logits(hidden[step.sample_rows])
+
+    def _forward_static(
+        self, step: StepInputs, ids: torch.Tensor, embeds: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.static is not None
+        num_decode = len(step.decodes.context_lens)
+        decodes = [(s.token_ids[0], s.start_pos, s.block_table) for s in step.seqs[:num_decode]]
+        prefills = [(s.token_ids, s.start_pos, s.block_table) for s in step.seqs[num_decode:]]
+        if embeds is None:
+            embeds = self.model.embed_input_ids(ids)
+        hidden, slice_logits = self.static.forward(decodes, prefills, embeds)
+        sampled = [i for i, seq in enumerate(step.seqs) if seq.sample]
+        return hidden, slice_logits[sampled]
+
+    def sample(
+        self, step: StepInputs, hidden: torch.Tensor, logits: torch.Tensor
+    ) -> ModelRunnerOutput:
+        """Prompt logprobs, then one token per sampling slice, its logprobs, NaN checks."""
         result = ModelRunnerOutput()
-        for seq, row in prompt_rows:
+        for seq, row in step.prompt_rows:
             result.prompt_logprobs[seq.req_id] = self._prompt_logprobs(seq, hidden, row)
-        if not sample_seqs:
+        seqs = step.sample_seqs
+        if not seqs:
             return result
-        last_hidden = hidden[sample_rows]  # [S, H]
-        logits = self.model.compute_logits(last_hidden)  # [S, V]
-        raw_logits = logits
-        logits = self._process_logits(sample_seqs, logits)
-        banned = [
-            (row, s.banned_token_ids) for row, s in enumerate(sample_seqs) if s.banned_token_ids
-        ]
-        if banned:
-            logits = logits.clone() if logits is raw_logits else logits
-            for row, ids in banned:
-                logits[row, ids] = float("-inf")
-        kernels = self.backend.kernels
-        argmax = kernels.argmax if kernels is not None and logits.is_contiguous() else None
-        token_tensor = sample(logits, self._sampling_batch(sample_seqs), argmax)
+        last_hidden = hidden[step.sample_rows]  # [S, H]
+        token_tensor = self._sample_tokens(seqs, logits)
         tokens = token_tensor.tolist()
-        num_top = max((s.params.logprobs or 0) for s in sample_seqs)
-        if any(s.params.logprobs is not None for s in sample_seqs):
-            result.logprobs = self._logprobs(sample_seqs, raw_logits, token_tensor, num_top)
+        num_top = max((s.params.logprobs or 0) for s in seqs)
+        if any(s.params.logprobs is not None for s in seqs):
+            result.logprobs = self._logprobs(seqs, logits, token_tensor, num_top)
         # NaN anywhere in a row's hidden state poisons all its logits; checking H values per
         # row instead of V is 85x less work.
         bad = torch.isnan(last_hidden).any(dim=-1).tolist()
-        for seq, token, is_bad in zip(sample_seqs, tokens, bad, strict=True):
+        for seq, token, is_bad in zip(seqs, tokens, bad, strict=True):
             if is_bad:
                 result.failed[seq.req_id] = "the model produced NaN logits"
             else:
@@ -239,8 +271,18 @@ class ModelRunner:
                 embeds[first : first + hi - lo] = torch.tensor(rows, device=self.device)
         return embeds
 
+    def _sample_tokens(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``logits`` [S, V]: [S] long."""
+        batch = self._sampling_batch(seqs)
+        if self.static is not None:
+            vocab = logits.shape[-1]
+            return self.static.sample(logits, sampling_inputs(seqs, batch, vocab, self.device))
+        return sample(self._process_logits(seqs, logits), batch, self.ops.argmax)
+
     def _process_logits(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
-        """Penalties and logit_bias; returns ``logits`` itself when no row asks for them."""
+        """Penalties, logit_bias, allowed and banned tokens; returns ``logits`` itself (never
+        modified in place: the logprobs read it) when no row asks for them."""
+        raw = logits
         if any(s.params.has_penalties for s in seqs):
             vocab, dev = logits.shape[-1], self.device
             logits = apply_penalties(
@@ -257,6 +299,11 @@ class ModelRunner:
             logits = apply_allowed_tokens(logits, [s.params.allowed_token_ids for s in seqs])
         if any(s.grammar_bitmask is not None for s in seqs):
             logits = apply_grammar_bitmasks(logits, [s.grammar_bitmask for s in seqs])
+        banned = [(row, s.banned_token_ids) for row, s in enumerate(seqs) if s.banned_token_ids]
+        if banned:
+            logits = logits.clone() if logits is raw else logits
+            for row, ids in banned:
+                logits[row, ids] = float("-inf")
         return logits
 
     def _prompt_logprobs(
@@ -293,30 +340,6 @@ class ModelRunner:
             entry[int(tokens[row])] = float(sampled[row])
             out[seq.req_id] = entry
         return out
-
-    def _metadata(
-        self,
-        decodes: list[ScheduledSeq],
-        slots: list[int],
-        num_decode: int,
-        prefills: list[PrefillSlice],
-    ) -> AttentionMetadata:
-        slot_mapping = torch.tensor(slots, device=self.device)
-        tables = [s.block_table for s in decodes]
-        lens = [s.start_pos + 1 for s in decodes]
-        kernels = self.backend.kernels
-        if kernels is None:
-            groups = decode_groups(tables, lens, self.block_size, self.device)
-            return AttentionMetadata(slot_mapping, num_decode, prefills, decode_groups=groups)
-        decode_tables, decode_lens = decode_block_tables(tables, lens, self.block_size)
-        return AttentionMetadata(
-            slot_mapping,
-            num_decode,
-            prefills,
-            kernels=kernels,
-            decode_tables=decode_tables,
-            decode_lens=decode_lens,
-        )
 
     def _sampling_batch(self, seqs: list[ScheduledSeq]) -> SamplingBatch:
         generators: list[torch.Generator | None] = []

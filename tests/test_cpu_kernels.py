@@ -11,12 +11,9 @@ from test_llama_vs_hf import hf_greedy, hf_model
 
 from neuron_runtime import LLM, SamplingParams
 from neuron_runtime.backends import cpu, cpu_kernels
-from neuron_runtime.layers.attention import (
-    AttentionMetadata,
-    PrefillSlice,
-    decode_groups,
-    paged_attention,
-)
+from neuron_runtime.backends.cpu_ops import CPUKernelOps, KernelAttentionMetadata
+from neuron_runtime.backends.ops import TORCH_OPS
+from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice, decode_groups
 from neuron_runtime.layers.linear import Linear
 from neuron_runtime.layers.rotary import apply_rotary
 
@@ -51,7 +48,7 @@ def test_linear_layer_on_kernels_keeps_only_the_packed_weight(k):
     layer = Linear(48, 40, bias=True)
     x = torch.randn(2, 3, 48)  # leading dimensions are flattened and restored
     expected = F.linear(x, layer.weight, layer.bias)
-    layer.attach(k)
+    CPUKernelOps(k).attach(layer)
     assert layer.weight.numel() == 0 and layer.packed is not None
     torch.testing.assert_close(layer(x), expected, atol=ATOL, rtol=1e-5)
 
@@ -187,15 +184,16 @@ def test_paged_attention_with_kernels_equals_torch_path(k):
             meta = AttentionMetadata(slot_mapping, len(lens), [prefill], decode_groups=groups)
         else:
             width = max(len(t) for t in tables)
-            meta = AttentionMetadata(
+            meta = KernelAttentionMetadata(
                 slot_mapping,
                 len(lens),
                 [prefill],
-                kernels=fused,
                 decode_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
                 decode_lens=torch.tensor(lens),
             )
-        outs.append((paged_attention(q, kk, vv, k_cache, v_cache, meta, d**-0.5), k_cache, v_cache))
+        ops = TORCH_OPS if fused is None else CPUKernelOps(fused)
+        out = ops.attention(q, kk, vv, k_cache, v_cache, meta, d**-0.5, None, None)
+        outs.append((out, k_cache, v_cache))
     (torch_out, torch_k, torch_v), (fused_out, fused_k, fused_v) = outs
     assert torch.equal(torch_k, fused_k) and torch.equal(torch_v, fused_v)
     torch.testing.assert_close(fused_out, torch_out, atol=ATOL, rtol=1e-5)
@@ -206,7 +204,7 @@ def test_kernels_off_by_environment(monkeypatch):
     monkeypatch.setenv("NEURON_CPU_KERNELS", "0")
     try:
         assert cpu_kernels.kernels() is None
-        assert cpu.CPUBackend().kernels is None
+        assert cpu.CPUBackend().ops is TORCH_OPS
     finally:
         cpu_kernels.kernels.cache_clear()
 
@@ -219,7 +217,7 @@ def test_engine_greedy_matches_transformers_with_and_without_kernels(
     if not use_kernels:
         monkeypatch.setattr(cpu, "kernels", lambda: None)
     llm = LLM(model=str(tiny_family_path), max_model_len=128, block_size=4, num_kv_blocks=256)
-    assert (llm.engine.backend.kernels is not None) == use_kernels
+    assert isinstance(llm.engine.backend.ops, CPUKernelOps) == use_kernels
     ref = hf_model(tiny_family_path)
     tok = llm.get_tokenizer()
     prompts = [

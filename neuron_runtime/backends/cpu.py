@@ -1,12 +1,17 @@
-"""CPU backend: fp32 (no native bf16 on the target CPUs), a fixed torch thread count."""
+"""CPU backend: fp32 (no native bf16 on the target CPUs), a fixed torch thread count.
+
+Eager steps run on the fused C kernels (``CPUKernelOps``) when they build, else on torch ops.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from neuron_runtime.backends.cpu_kernels import CPUKernels, kernels
-from neuron_runtime.layers.linear import Linear
+from neuron_runtime.backends.cpu_kernels import kernels
+from neuron_runtime.backends.cpu_ops import CPUKernelOps
+from neuron_runtime.backends.ops import TORCH_OPS, Ops
+from neuron_runtime.backends.static.ops import STATIC_OPS
 
 
 def to_input_major(model: nn.Module) -> None:
@@ -14,41 +19,34 @@ def to_input_major(model: nn.Module) -> None:
 
     ``F.linear`` then multiplies by a contiguous ``[in, out]`` matrix. For one row (decode at
     batch 1, a GEMV that streams every weight once) MKL runs this layout about 20% faster on
-    the target CPUs; for batched rows the two layouts are on par. Only without the CPU
-    kernels, which pack the weights into a layout of their own.
+    the target CPUs; for batched rows the two layouts are on par. Only for the torch ops: the
+    kernels pack the weights into a layout of their own.
     """
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.weight.data = module.weight.data.t().contiguous().t()
 
 
-def attach_kernels(model: nn.Module, fused: CPUKernels) -> None:
-    """Hands the fused kernels to every module that has a place for them (``kernels``);
-    ``Linear`` layers also repack their weights for them."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.attach(fused)
-        elif "kernels" in dir(type(module)):
-            setattr(module, "kernels", fused)  # noqa: B010 (a plain attribute, not a Module)
-
-
 class CPUBackend:
     name = "cpu"
+    graph_modes = ("eager", "inductor")
 
-    def __init__(self, num_threads: int | None = None) -> None:
+    def __init__(self, num_threads: int | None = None, graph_mode: str = "eager") -> None:
         self.device = torch.device("cpu")
-        self.kernels = kernels()  # None: torch ops only (no compiler, or turned off)
         if num_threads is not None:
             if num_threads < 1:
                 raise ValueError(f"num_threads must be >= 1, got {num_threads}")
             torch.set_num_threads(num_threads)
+        fused = kernels()  # None: no compiler, or turned off
+        self.ops: Ops = TORCH_OPS if fused is None else CPUKernelOps(fused)
+        if graph_mode != "eager":  # compiled graphs: the kernels' ctypes calls cannot trace
+            self.ops = STATIC_OPS
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         model = model.float().eval()
-        if self.kernels is None:
+        if self.ops is TORCH_OPS:
             to_input_major(model)
-        else:  # the kernels pack the weights into their own layout
-            attach_kernels(model, self.kernels)
+        self.ops.attach(model)
         return model
 
     def synchronize(self) -> None:

@@ -18,7 +18,23 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from neuron_runtime.backends.cpu_kernels import CPUKernels
+
+@dataclass
+class StepMetadata:
+    """Attention metadata of one step, built once by the model runner and read by every layer.
+
+    Each backend's ops build and read their own subclass (``Ops.attention_metadata``).
+    """
+
+    slot_mapping: torch.Tensor  # [T] long: flat cache slot of each token
+
+
+@dataclass
+class DecodeRows:
+    """The step's single-token sequences (rows ``[0, n)``), by ascending context length."""
+
+    block_tables: list[list[int]]
+    context_lens: list[int]  # the new token included
 
 
 @dataclass
@@ -88,18 +104,6 @@ def pad_tables(block_tables: list[list[int]], width: int) -> list[list[int]]:
     return [t[:width] + [0] * (width - len(t[:width])) for t in block_tables]
 
 
-def decode_block_tables(
-    block_tables: list[list[int]], context_lens: list[int], block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Metadata of a batch of decodes for the CPU kernels: ``[n, max_blocks]`` block tables
-    padded to the longest context, and the context lengths (the new token included)."""
-    width = max((-(-n // block_size) for n in context_lens), default=0)
-    return (
-        torch.tensor(pad_tables(block_tables, width), dtype=torch.long),
-        torch.tensor(context_lens, dtype=torch.long),
-    )
-
-
 def decode_groups(
     block_tables: list[list[int]],
     context_lens: list[int],
@@ -130,22 +134,17 @@ def decode_groups(
 
 
 @dataclass
-class AttentionMetadata:
-    """Built once per step by the model runner; shared by every layer.
+class AttentionMetadata(StepMetadata):
+    """Metadata of the dynamic-shape paths (eager torch ops and the CPU kernels).
 
     Rows ``[0, num_decode)`` are single-token sequences (decodes), batched together in
-    ``decode_groups``, or, with the CPU ``kernels``, in one fused call over ``decode_tables``
-    and ``decode_lens``. The rest are prefill slices, each attending to its cached prefix plus
-    itself, causally.
+    ``decode_groups`` (torch ops; the CPU kernels take their own tables). The rest are prefill
+    slices, each attending to its cached prefix plus itself, causally.
     """
 
-    slot_mapping: torch.Tensor  # [T] long: flat cache slot of each token
     num_decode: int
     prefills: list[PrefillSlice]
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    kernels: CPUKernels | None = None
-    decode_tables: torch.Tensor | None = None  # [num_decode, max_blocks] long, zero-padded
-    decode_lens: torch.Tensor | None = None  # [num_decode] long, the new token included
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
@@ -176,30 +175,30 @@ def paged_attention(
     ``softcap`` (Gemma) squashes the scaled scores into (-softcap, softcap) with
     ``softcap * tanh(score / softcap)`` before the mask and softmax.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    out = q.new_empty(num_tokens, num_heads, head_dim)
-    kernels = meta.kernels
-    if kernels is not None:
-        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.num_decode:
-            assert meta.decode_tables is not None and meta.decode_lens is not None
-            out[: meta.num_decode] = kernels.decode_attention(
-                q[: meta.num_decode],
-                k_cache,
-                v_cache,
-                meta.decode_tables,
-                meta.decode_lens,
-                scale,
-                sliding_window,
-                softcap,
-            )
-    else:
-        write_kv(k_cache, meta.slot_mapping, k)
-        write_kv(v_cache, meta.slot_mapping, v)
+    write_kv(k_cache, meta.slot_mapping, k)
+    write_kv(v_cache, meta.slot_mapping, v)
+    out = q.new_empty(q.shape)
+    window = sliding_window
+    attend_decode_groups(out, q, k_cache, v_cache, meta.decode_groups, scale, window, softcap)
+    attend_prefills(out, q, k, v, k_cache, v_cache, meta.prefills, scale, window, softcap)
+    return out.view(q.shape[0], -1)
 
-    for g in meta.decode_groups:
+
+def attend_decode_groups(
+    out: torch.Tensor,  # [T, qh, d], written at the groups' rows
+    q: torch.Tensor,  # [T, qh, d]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    groups: list[DecodeGroup],
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """Each group's decodes over their padded, gathered keys (the cache already written)."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[0]
+    group = num_heads // num_kv_heads
+    for g in groups:
         rows = slice(g.start, g.start + g.num)
         keys = gather_kv(k_cache, g.block_ids, g.num)  # [kvh, B, L, d]
         values = gather_kv(v_cache, g.block_ids, g.num)
@@ -212,7 +211,21 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[rows] = torch.matmul(probs, values).transpose(0, 1).reshape(g.num, num_heads, head_dim)
 
-    for p in meta.prefills:
+
+def attend_prefills(
+    out: torch.Tensor,  # [T, qh, d], written at the slices' rows
+    q: torch.Tensor,  # [T, qh, d]
+    k: torch.Tensor,  # [T, kvh, d]
+    v: torch.Tensor,  # [T, kvh, d]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefills: list[PrefillSlice],
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """Each prefill slice over its cached prefix plus itself, causally."""
+    for p in prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, qh, S, d]
         if p.start_pos == 0:
@@ -231,7 +244,6 @@ def paged_attention(
             assert mask is not None
             o = _softcapped_attention(qp, kp, vp, mask, scale, softcap)
         out[rows] = o.squeeze(0).transpose(0, 1)
-    return out.view(num_tokens, num_heads * head_dim)
 
 
 def prefill_mask(

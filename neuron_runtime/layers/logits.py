@@ -1,15 +1,8 @@
-"""The vocabulary projection (lm_head), laid out for both decode and batched shapes.
+"""The vocabulary projection (lm_head), on the backend's ops (``ops.logits``).
 
-On CPU the best layout depends on the number of rows. One row (batch-1 decode) is a GEMV:
-reading the weight as ``[hidden, vocab]`` (contiguous along the vocab axis) runs about 1.5x
-faster than ``F.linear`` on ``[vocab, hidden]``. Many rows are a GEMM whose output
-(rows x 49k floats) spills the cache; computing it in slabs of vocab rows keeps each slab's
-output hot and runs about 1.4x faster than one ``F.linear``. The head keeps both layouts
-(one extra copy of the embedding matrix, made on first use) and picks per call.
-
-With the CPU kernels (``kernels``, set by the CPU backend) every call runs on
-``kernels.linear`` instead, faster at every row count, over a copy of the weight packed into
-its panel layout on first use (``packed``, in place of the transposed copy).
+The head may keep derived copies of the weight it does not own, made on first use: the torch
+ops on CPU a ``[hidden, vocab]`` copy for GEMVs (``weight_t``), the CPU kernels a panel-packed
+copy (``packed``). ``refresh`` drops them after the weight is loaded or moved.
 """
 
 from __future__ import annotations
@@ -17,16 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from neuron_runtime.backends.cpu_kernels import CPUKernels
-
-GEMV_MAX_ROWS = 4
-VOCAB_SLAB = 1024
+from neuron_runtime.backends.ops import TORCH_OPS, Ops
 
 
 class LogitsHead(nn.Module):
     """Computes ``hidden @ weight.T`` for a ``[vocab, hidden]`` weight owned elsewhere."""
 
-    kernels: CPUKernels | None = None
+    ops: Ops = TORCH_OPS
+    weight_t: torch.Tensor
+    packed: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,18 +31,4 @@ class LogitsHead(nn.Module):
         self.packed = torch.empty(0, device=weight.device)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = hidden.shape[0]
-        if self.kernels is not None:
-            if self.packed.numel() == 0:
-                self.packed = self.kernels.pack(weight)
-            return self.kernels.linear(hidden.contiguous(), self.packed, None, weight.shape[0])
-        if rows <= GEMV_MAX_ROWS:
-            if self.weight_t.shape != weight.t().shape:
-                self.weight_t = weight.detach().t().contiguous()
-            return hidden @ self.weight_t
-        vocab = weight.shape[0]
-        out = hidden.new_empty(hidden.shape[0], vocab)
-        for start in range(0, vocab, VOCAB_SLAB):
-            end = min(start + VOCAB_SLAB, vocab)
-            torch.mm(hidden, weight[start:end].t(), out=out[:, start:end])
-        return out
+        return self.ops.logits(self, hidden, weight)

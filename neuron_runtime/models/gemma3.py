@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from neuron_runtime.layers.attention import AttentionMetadata
+from neuron_runtime.layers.attention import StepMetadata
 from neuron_runtime.layers.norm import RMSNorm
 from neuron_runtime.layers.rotary import RotaryEmbedding, rope_parameters
 from neuron_runtime.models.llama import (
@@ -93,7 +93,7 @@ class Gemma3DecoderLayer(torch.nn.Module):
         residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Same contract as LlamaDecoderLayer: the caller adds the returned x to the residual.
         x, residual = self.input_layernorm.add_and_norm(x, residual)
@@ -124,7 +124,7 @@ class Gemma3Model(LlamaModel):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVCache],
-        meta: AttentionMetadata,
+        meta: StepMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden], already scaled
     ) -> torch.Tensor:
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds

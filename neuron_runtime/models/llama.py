@@ -14,16 +14,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from neuron_runtime.backends.cpu_kernels import CPUKernels
+from neuron_runtime.backends.ops import TORCH_OPS, Ops
 from neuron_runtime.layers.activation import activation
-from neuron_runtime.layers.attention import AttentionMetadata, paged_attention
+from neuron_runtime.layers.attention import StepMetadata
 from neuron_runtime.layers.linear import Linear
 from neuron_runtime.layers.logits import LogitsHead
 from neuron_runtime.layers.norm import RMSNorm
-from neuron_runtime.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from neuron_runtime.layers.rotary import RotaryEmbedding, rope_parameters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -35,7 +34,7 @@ class LlamaAttention(nn.Module):
     ``qkv_bias`` overrides the config's ``attention_bias`` for q/k/v only (Qwen2).
     """
 
-    kernels: CPUKernels | None = None  # set by the CPU backend: fused rotary
+    ops: Ops = TORCH_OPS
 
     def __init__(
         self, cfg: dict[str, Any], layer_idx: int = 0, qkv_bias: bool | None = None
@@ -60,7 +59,7 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
@@ -68,7 +67,7 @@ class LlamaAttention(nn.Module):
         qk = self.rotate_qk(qkv[:, : heads + kv_heads], rope)
         q, k = qk.split([heads, kv_heads], dim=1)
         v = qkv[:, heads + kv_heads :]
-        out = paged_attention(
+        out = self.ops.attention(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.softcap
         )
         return self.o_proj(out)
@@ -79,17 +78,13 @@ class LlamaAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """Applies rotary positions to q and k; families with q/k norms override this."""
-        if self.kernels is not None:  # in place: qk is this layer's own projection
-            rows, heads = qk.shape[:2]
-            cos, sin = (t.view(rows, -1) for t in rope)
-            return self.kernels.rotary_(qk, cos, sin, heads)
-        return apply_rotary(qk, *rope)
+        return self.ops.rotary(qk, *rope)  # may work in place: qk is this layer's projection
 
 
 class LlamaMLP(nn.Module):
     """Gated MLP, ``down(act(gate(x)) * up(x))``; ``hidden_act`` defaults to the config's."""
 
-    kernels: CPUKernels | None = None  # set by the CPU backend: fused silu(gate) * up
+    ops: Ops = TORCH_OPS
 
     def __init__(self, cfg: dict[str, Any], hidden_act: str | None = None) -> None:
         super().__init__()
@@ -100,11 +95,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and self.act_fn is F.silu:
-            return self.down_proj(self.kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.act_fn))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -127,7 +118,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.self_attn(x, rope, kv_cache, meta)
@@ -168,7 +159,7 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVCache],
-        meta: AttentionMetadata,
+        meta: StepMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: replaces the ids' embeddings
     ) -> torch.Tensor:
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
@@ -214,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        meta: AttentionMetadata,
+        meta: StepMetadata,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from neuron_runtime.layers.activation import activation
-from neuron_runtime.layers.attention import AttentionMetadata
+from neuron_runtime.layers.attention import StepMetadata
 from neuron_runtime.loader import copy_weights
 from neuron_runtime.models.clip import CLIP_VISION_DEFAULTS, CLIPVisionModel
 from neuron_runtime.models.llama import KVCache
@@ -164,7 +164,7 @@ class LlavaForConditionalGeneration(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVCache],
-        meta: AttentionMetadata,
+        meta: StepMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [T, lm_hidden], image rows filled in
     ) -> torch.Tensor:
         return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds)

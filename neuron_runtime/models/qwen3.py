@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from neuron_runtime.layers.norm import RMSNorm
-from neuron_runtime.layers.rotary import apply_rotary
 from neuron_runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from neuron_runtime.models.qwen2 import qwen_sliding_window
 
@@ -28,7 +27,7 @@ class Qwen3Attention(LlamaAttention):
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        return apply_rotary(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), *rope)
+        return self.ops.rotary(torch.cat((self.q_norm(q), self.k_norm(k)), dim=1), *rope)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
