@@ -40,6 +40,7 @@ class EngineArgs:
     context_buckets: list[int] | None = None
     max_top_k: int | None = None
     on_recompile: str = "warn"
+    compile_scope: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
@@ -81,5 +82,6 @@ class EngineArgs:
                 context_buckets=tuple(self.context_buckets or ()),
                 max_top_k=self.max_top_k,
                 on_recompile=self.on_recompile,
+                compile_scope=self.compile_scope,
             ),
         )

@@ -214,6 +214,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed(input_ids)
 
     @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 

@@ -172,6 +172,11 @@ class LlavaForConditionalGeneration(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_input_ids(input_ids)
 
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        layers: nn.ModuleList = self.language_model.decoder_layers
+        return layers
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 

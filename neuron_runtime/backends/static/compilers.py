@@ -29,6 +29,10 @@ class Compiler(Protocol):
         """A callable equal to ``fn`` that runs as compiled graphs (one per input shape)."""
         ...
 
+    def compile_module(self, module: torch.nn.Module) -> None:
+        """Compiles ``module``'s forward in place; modules of one class share the graphs."""
+        ...
+
     @property
     def num_compiles(self) -> int:
         """Graphs compiled so far by this compiler."""
@@ -58,6 +62,9 @@ class InductorCompiler:
 
     def compile(self, fn: StepFn) -> StepFn:
         return torch.compile(fn, backend=self._backend, dynamic=False, fullgraph=True)
+
+    def compile_module(self, module: torch.nn.Module) -> None:
+        module.compile(backend=self._backend, dynamic=False, fullgraph=True)
 
     @property
     def num_compiles(self) -> int:
@@ -94,6 +101,9 @@ class LazyXLACompiler:
             return out
 
         return run
+
+    def compile_module(self, module: torch.nn.Module) -> None:
+        raise ValueError(f"graph_mode {self.name!r} traces whole steps (compile_scope: step)")
 
     @property
     def num_compiles(self) -> int:

@@ -88,7 +88,12 @@ class StaticRunner:
         set_cache_dir(config.graph.graph_mode, self.cache_path)
         warm_up_list = self.buckets.all()
         self.compiler: Compiler = make_compiler(config.graph.graph_mode, len(warm_up_list))
-        self._model_graph = self.compiler.compile(self._model_step)
+        if config.graph.scope == "layer":
+            for layer in model.decoder_layers:
+                self.compiler.compile_module(layer)
+            self._model_graph: Callable[..., Any] = self._model_step
+        else:
+            self._model_graph = self.compiler.compile(self._model_step)
         self._samplers: dict[SamplerKind, Callable[..., torch.Tensor]] = {
             SamplerKind.GREEDY: self.compiler.compile(greedy_tokens),
             SamplerKind.RANDOM: self.compiler.compile(
