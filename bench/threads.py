@@ -1,10 +1,12 @@
 """Thread scaling of the offline engine: the same engine at 1 and 2 (or more) threads.
 
 One engine (default model, fp32, greedy, ignore_eos, no prefix caching); between runs the
-CPU kernels' pool and torch's intra-op pool are resized together, as ``num_threads`` sizes
-them. Thread counts alternate on every repeat (1, 2, 1, 2, ...) so background load on a shared
-box hits them alike; the script reports medians, the ratios to the first thread count, and
-checks that every thread count produced the same tokens. For each batch size B:
+CPU kernels' pool is resized as ``num_threads`` sizes it, torch's intra-op pool kept at one
+thread as the CPU backend keeps it beside the kernels (``--torch-threads same`` gives torch
+the same count, to measure what that costs). Thread counts alternate on every repeat (1, 2,
+1, 2, ...) so background load on a shared box hits them alike; the script reports medians,
+the ratios to the first thread count, and checks that every thread count produced the same
+tokens. For each batch size B:
 
 - TPOT: (time for B requests of N output tokens - time for B requests of 1 token) / (N - 1),
   the time of one decode step of the whole batch
@@ -12,7 +14,7 @@ checks that every thread count produced the same tokens. For each batch size B:
 - cores: CPU seconds of this process / wall seconds over the N-token run
 
     python bench/threads.py [--threads 1,2] [--batches 1,8,32] [--tokens 64] [--repeats 3]
-        [--torch-threads same|1] [--json bench/results/threads.json]
+        [--torch-threads 1|same] [--json bench/results/threads.json]
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def uptime() -> str:
 
 
 def set_threads(n: int, torch_threads: str) -> None:
-    """What ``num_threads=n`` sets in the CPU backend (torch's pool optionally kept at 1)."""
+    """What ``num_threads=n`` sets in the CPU backend (or torch's pool at n as well)."""
     fused = kernels()
     if fused is not None:
         fused.set_num_threads(n)
@@ -84,9 +86,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--torch-threads",
-        choices=["same", "1"],
-        default="same",
-        help="torch's intra-op pool: the same size as the kernels' (as the backend sets it) or 1",
+        choices=["1", "same"],
+        default="1",
+        help="torch's intra-op pool: 1 thread (as the CPU backend sets it) or the kernels' count",
     )
     parser.add_argument("--json", default="bench/results/threads.json")
     args = parser.parse_args()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,12 +22,16 @@ from neuron_runtime.layers.rotary import apply_rotary
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def k() -> cpu_kernels.CPUKernels:
+@pytest.fixture(scope="module", params=[1, 2], ids=["1thread", "2threads"])
+def k(request: pytest.FixtureRequest) -> Iterator[cpu_kernels.CPUKernels]:
+    """The kernels on a pool of 1, then 2 threads: every test runs on both."""
     fused = cpu_kernels.kernels()
     # This machine (and CI) has a C compiler: a missing build is a failure, not a skip.
     assert fused is not None, "the CPU kernels did not build"
-    return fused
+    before = fused.num_threads()
+    fused.set_num_threads(request.param)
+    yield fused
+    fused.set_num_threads(before)
 
 
 # Every tile shape (8, 4, 2, 1 rows and their sums), more than one row block, partial panels.
@@ -216,7 +221,13 @@ def test_engine_greedy_matches_transformers_with_and_without_kernels(
     """Both CPU paths, every family (sliding windows, soft-capping, q/k norms, biases)."""
     if not use_kernels:
         monkeypatch.setattr(cpu, "kernels", lambda: None)
-    llm = LLM(model=str(tiny_family_path), max_model_len=128, block_size=4, num_kv_blocks=256)
+    llm = LLM(
+        model=str(tiny_family_path),
+        max_model_len=128,
+        block_size=4,
+        num_kv_blocks=256,
+        num_threads=k.num_threads(),  # the engine sizes the pool: keep the fixture's
+    )
     assert isinstance(llm.engine.backend.ops, CPUKernelOps) == use_kernels
     ref = hf_model(tiny_family_path)
     tok = llm.get_tokenizer()

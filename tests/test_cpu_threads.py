@@ -3,6 +3,7 @@ Python threads at once, no CPU used while idle, the engine's greedy tokens uncha
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -168,7 +169,6 @@ def test_engine_greedy_tokens_identical_on_1_and_2_threads(k):
     outputs = {}
     for n in (1, 2):
         k.set_num_threads(n)
-        torch.set_num_threads(n)
         outputs[n] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outputs[1] == outputs[2]
 
@@ -188,3 +188,19 @@ def test_replica_threads_follow_its_cpu_allotment(serve_cluster):
         probe = Probe.options(num_cpus=cpus).remote()
         assert ray.get(probe.threads.remote()) == expected
         ray.kill(probe)
+
+
+def test_cpu_backend_sizes_the_pool_and_keeps_torch_at_one_thread(k):
+    from neuron_runtime.backends.base import get_backend
+
+    before = torch.get_num_threads()
+    try:
+        for n in (2, 1, 3):
+            get_backend("cpu", n)
+            assert k.num_threads() == n and torch.get_num_threads() == 1
+        get_backend("cpu", None)  # offline default: every core this process may use
+        assert k.num_threads() == len(os.sched_getaffinity(0))
+        with pytest.raises(ValueError, match="num_threads"):
+            get_backend("cpu", 0)
+    finally:
+        torch.set_num_threads(before)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from neuron_runtime.backends.cpu_kernels import kernels
+from neuron_runtime.backends.cpu_kernels import default_num_threads, kernels
 from neuron_runtime.backends.cpu_ops import CPUKernelOps
 from neuron_runtime.backends.ops import TORCH_OPS, Ops
 from neuron_runtime.backends.static.ops import STATIC_OPS
@@ -33,14 +33,21 @@ class CPUBackend:
 
     def __init__(self, num_threads: int | None = None, graph_mode: str = "eager") -> None:
         self.device = torch.device("cpu")
-        if num_threads is not None:
-            if num_threads < 1:
-                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-            torch.set_num_threads(num_threads)
+        if num_threads is None:
+            num_threads = default_num_threads()
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         fused = kernels()  # None: no compiler, or turned off
         self.ops: Ops = TORCH_OPS if fused is None else CPUKernelOps(fused)
         if graph_mode != "eager":  # compiled graphs: the kernels' ctypes calls cannot trace
             self.ops = STATIC_OPS
+        # On the kernels their pool does the parallel work and torch's keeps one thread: its
+        # idle workers spin after every parallel op, taking the cores from the kernels'.
+        if fused is not None and isinstance(self.ops, CPUKernelOps):
+            fused.set_num_threads(num_threads)
+            torch.set_num_threads(1)
+        else:
+            torch.set_num_threads(num_threads)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         model = model.float().eval()
