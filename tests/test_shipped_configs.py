@@ -147,7 +147,8 @@ def check_deployed_options(app: dict[str, Any], details: dict[str, Any]) -> None
         for key, value in written.items():
             assert contains(value, options.get(key)), (written["name"], key, options.get(key))
         replicas = [r for r in live["replicas"] if r["state"] == "RUNNING"]
-        wanted = written.get("num_replicas") or written["autoscaling_config"]["min_replicas"]
+        autoscaling = written.get("autoscaling_config") or {}
+        wanted = written.get("num_replicas") or autoscaling.get("min_replicas", 1)
         assert len(replicas) == wanted, (written["name"], len(replicas))
 
 
