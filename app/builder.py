@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Deployment
 from safetensors import SafetensorError
 
 from app.ingress import OpenAIIngress
@@ -35,6 +36,17 @@ from neuron_runtime.tokenizer import Tokenizer
 from router.pd_router import PDRouter
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def as_deployment(cls: object) -> Deployment:
+    """An ``@serve.deployment`` class as the Deployment it is at run time (mypy does not
+    apply class decorators)."""
+    return cast(Deployment, cls)
+
+
+def _router_config(**kwargs: Any) -> RequestRouterConfig:
+    # RequestRouterConfig annotates its **kwargs as dicts; pydantic types its fields.
+    return RequestRouterConfig(**kwargs)
 
 
 class DisaggregationArgs(BaseModel):
@@ -245,10 +257,14 @@ def build_openai_app(
     if args.mode == "disaggregated":
         llm = _disaggregated(args, llm_engine_cls, prefill_options, decode_options, encoder_options)
     else:
-        llm = LLMServer.options(**(llm_options or {})).bind(
-            engine_args, llm_engine_cls, args.health_stall_timeout_s
+        llm = (
+            as_deployment(LLMServer)
+            .options(**(llm_options or {}))
+            .bind(engine_args, llm_engine_cls, args.health_stall_timeout_s)
         )
-    embedder = EmbeddingServer.bind(args.embedding_model) if args.embedding_model else None
+    embedder = (
+        as_deployment(EmbeddingServer).bind(args.embedding_model) if args.embedding_model else None
+    )
     config = {
         "served_model_name": args.served_model_name or args.model,
         "engine_args": engine_args,
@@ -259,7 +275,9 @@ def build_openai_app(
         "max_prompts": args.max_prompts,
         "image_limits": args.multimodal.image_limits(),
     }
-    return OpenAIIngress.options(**(ingress_options or {})).bind(llm, embedder, config)
+    return (
+        as_deployment(OpenAIIngress).options(**(ingress_options or {})).bind(llm, embedder, config)
+    )
 
 
 def _disaggregated(
@@ -277,7 +295,7 @@ def _disaggregated(
         pd.kv_transport, pd.kv_outbox_timeout_s, pd.kv_outbox_max_mib * (1 << 20)
     )
     if pd.prefill_routing == "prefix_affinity":
-        prefill_router = RequestRouterConfig(
+        prefill_router = _router_config(
             request_router_class="router.request_routers:PrefixAffinityRouter",
             request_router_kwargs={
                 "min_match_share": pd.min_match_share,
@@ -286,41 +304,53 @@ def _disaggregated(
             request_routing_stats_period_s=pd.routing_stats_period_s,
         )
     else:
-        prefill_router = RequestRouterConfig()
-    prefill = PrefillServer.options(
-        request_router_config=prefill_router,
-        **(prefill_options or {}),
-    ).bind(engine_args, engine_cls, args.health_stall_timeout_s, transport)
-    decode = DecodeServer.options(
-        request_router_config=RequestRouterConfig(
-            request_router_class="router.request_routers:KVCapacityRouter",
-            request_routing_stats_period_s=pd.routing_stats_period_s,
-        ),
-        **(decode_options or {}),
-    ).bind(
-        engine_args,
-        engine_cls,
-        args.health_stall_timeout_s,
-        pd.kv_fetch_timeout_s,
-        pd.on_kv_failure,
-        transport,
+        prefill_router = _router_config()
+    prefill = (
+        as_deployment(PrefillServer)
+        .options(
+            request_router_config=prefill_router,
+            **(prefill_options or {}),
+        )
+        .bind(engine_args, engine_cls, args.health_stall_timeout_s, transport)
+    )
+    decode = (
+        as_deployment(DecodeServer)
+        .options(
+            request_router_config=_router_config(
+                request_router_class="router.request_routers:KVCapacityRouter",
+                request_routing_stats_period_s=pd.routing_stats_period_s,
+            ),
+            **(decode_options or {}),
+        )
+        .bind(
+            engine_args,
+            engine_cls,
+            args.health_stall_timeout_s,
+            pd.kv_fetch_timeout_s,
+            pd.on_kv_failure,
+            transport,
+        )
     )
     encoder = None
     if args.separate_encoder():
         mm = args.multimodal
-        encoder = VisionEncoderServer.options(
-            request_router_config=RequestRouterConfig(
-                request_router_class="router.request_routers:RendezvousRouter"
-            ),
-            **(encoder_options or {}),
-        ).bind(
-            args.model,
-            mm.encoder_cache_mib,
-            mm.encoder_max_batch_size,
-            mm.encoder_batch_wait_timeout_s,
-            mm.max_pixels,
+        encoder = (
+            as_deployment(VisionEncoderServer)
+            .options(
+                request_router_config=_router_config(
+                    request_router_class="router.request_routers:RendezvousRouter"
+                ),
+                **(encoder_options or {}),
+            )
+            .bind(
+                args.model,
+                mm.encoder_cache_mib,
+                mm.encoder_max_batch_size,
+                mm.encoder_batch_wait_timeout_s,
+                mm.max_pixels,
+            )
         )
-    return PDRouter.bind(prefill, decode, pd.prefill_retries, encoder)
+    return as_deployment(PDRouter).bind(prefill, decode, pd.prefill_retries, encoder)
 
 
 def has_vision_tower(model: str) -> bool:

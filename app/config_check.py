@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -30,16 +30,15 @@ from ray.serve._private.build_app import build_app as build_serve_app
 from ray.serve.deployment import Deployment
 from ray.serve.schema import DeploymentSchema, ServeApplicationSchema, ServeDeploySchema
 
-from app.builder import BuildArgs, build_openai_app, validate_args
+from app.builder import BuildArgs, as_deployment, build_openai_app, validate_args
 from deployments.decode import DecodeServer
 from deployments.llm_server import LLMServer
 from deployments.prefill import PrefillServer
 
 BUILDER = "app.builder:build_app"
 # Deployments whose replicas run the engine on engine_args.device; the others run on CPU.
-# (cast: mypy does not apply class decorators; @serve.deployment classes are Deployments.)
 ENGINE_DEPLOYMENTS = frozenset(
-    cast(Deployment, cls).name for cls in (LLMServer, PrefillServer, DecodeServer)
+    as_deployment(cls).name for cls in (LLMServer, PrefillServer, DecodeServer)
 )
 # device -> the Ray resource that places a replica on it (and pins its cores or GPUs)
 DEVICE_RESOURCES = {"neuron": "neuron_cores", "cuda": "GPU"}
