@@ -45,11 +45,21 @@ from app.protocol import (
     EmbeddingRequest,
     TokenizeRequest,
 )
-from app.sampling import Limits, check_prompt_ids, sampling_fields, stop_strings
+from app.responses import ResponsesRequest, response_events, response_object, to_chat_request
+from app.sampling import (
+    Constraint,
+    Limits,
+    check_prompt_ids,
+    output_constraint,
+    sampling_fields,
+    stop_strings,
+)
 from app.text import SequenceText, chat_logprobs, completion_logprobs, prompt_logprobs
+from app.tools import ToolSetup, hermes_conversation, template_message, tool_setup
 from deployments.protocol import GenerateRequest, ImagePart
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.multimodal import place_images, vision_spec
+from neuron_runtime.structured_output import GrammarCompiler, StructuredOutputsParams
 from neuron_runtime.tokenizer import Tokenizer
 
 
@@ -66,6 +76,8 @@ class IngressConfig:
     retry_after_s: int = 1
     # ImageLimits fields (app/images.py): caps on image bytes, pixels and count, remote URLs.
     image_limits: dict[str, Any] = field(default_factory=dict)
+    # A grammar (response_format, tools, ...) not compiled within this is refused with a 400.
+    grammar_timeout_s: float = 10.0
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0.25})
@@ -92,6 +104,14 @@ class OpenAIIngress:
         self.image_limits = ImageLimits(**limits)
         self.metrics = ServingMetrics(self.config.served_model_name)
         self.created = int(time.time())
+        # Grammars are compiled here once to refuse bad ones with a 400 before they queue.
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf_tokenizer,
+            engine_config.model.vocab_size,
+            self.tokenizer.eos_token_id,
+            timeout_s=self.config.grammar_timeout_s,
+        )
+        self.model_type = str(engine_config.model.text_config.get("model_type", ""))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_fastapi(self)
@@ -99,22 +119,20 @@ class OpenAIIngress:
     # -- generation -------------------------------------------------------------------------
 
     async def chat(self, request: ChatCompletionRequest, request_id: str) -> Response:
-        self._check_model(request.model)
-        prompt_ids, images = await self._encode_chat(request.messages)
-        check_prompt_ids(prompt_ids, self.limits, "messages")
-        generation = await self._start(request, [prompt_ids], f"chatcmpl-{request_id}", images)
+        generation, tools = await self._start_chat(request, f"chatcmpl-{request_id}")
         if request.stream:
-            return _sse(self._chat_stream(request, generation, f"chatcmpl-{request_id}"))
+            return _sse(self._chat_stream(request, generation, f"chatcmpl-{request_id}", tools))
         num_top = request.top_logprobs or 0
         outputs = await _collect(generation)
         choices = []
         for index, seq in enumerate(generation.choices):
             text, logprobs = outputs[index]
+            message, finish_reason = _chat_message(text, seq.finish_reason, tools)
             choice: dict[str, Any] = {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": seq.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": seq.stop_reason,
             }
             if request.logprobs:
@@ -131,6 +149,75 @@ class OpenAIIngress:
         )
         return JSONResponse(response.model_dump())
 
+    async def responses(self, request: ResponsesRequest, request_id: str) -> Response:
+        """``POST /v1/responses`` (stateless): the chat pipeline, answered as a Response."""
+        chat = to_chat_request(request)
+        generation, tools = await self._start_chat(chat, f"resp_{request_id}")
+        model = self.config.served_model_name
+        if request.stream:
+            return _sse(response_events(request, generation, tools, f"resp_{request_id}", model))
+        outputs = await _collect(generation)
+        (seq,) = generation.choices
+        body = response_object(
+            request,
+            f"resp_{request_id}",
+            model,
+            outputs[0][0],
+            seq.finish_reason,
+            tools,
+            generation.usage(),
+        )
+        return JSONResponse(body)
+
+    async def _start_chat(
+        self, request: ChatCompletionRequest, engine_id: str
+    ) -> tuple[Generation, ToolSetup | None]:
+        """Tools, output constraint, prompt and images checked; the engine streams opened."""
+        self._check_model(request.model)
+        tools = tool_setup(request, self.tokenizer.chat_template, self.model_type)
+        constraint = await self._constraint(request, tools)
+        prompt_ids, images = await self._encode_chat(request.messages, tools)
+        check_prompt_ids(prompt_ids, self.limits, "messages")
+        generation = await self._start(request, [prompt_ids], engine_id, images, constraint)
+        return generation, tools
+
+    async def _constraint(
+        self, request: ChatCompletionRequest | CompletionRequest, tools: ToolSetup | None = None
+    ) -> Constraint | None:
+        """The grammar the output must follow, compiled once here: a bad one is a 400."""
+        if tools is not None and tools.mode != "none":
+            assert isinstance(request, ChatCompletionRequest)
+            for index, tool in enumerate(request.tools or []):
+                if tool.function.parameters is not None:
+                    param = f"tools[{index}].function.parameters"
+                    try:
+                        params = StructuredOutputsParams(json=tool.function.parameters)
+                    except ValueError as exc:
+                        raise OpenAIError(400, f"{param}: {exc}", param=param) from exc
+                    await self._check_grammar(Constraint(params, param))
+        if tools is not None and tools.constraint is not None:
+            constraint: Constraint | None = tools.constraint
+        else:
+            constraint = output_constraint(request)
+        if constraint is not None:
+            await self._check_grammar(constraint)
+        return constraint
+
+    async def _check_grammar(self, constraint: Constraint) -> None:
+        job = self.grammars.submit(constraint.params)
+        compiled = asyncio.wrap_future(job.future)
+        done, _ = await asyncio.wait({compiled}, timeout=self.grammars.timeout_s)
+        param = constraint.param
+        if not done:
+            compiled.add_done_callback(lambda f: f.exception())  # retrieved, not logged
+            timeout = self.grammars.timeout_s
+            raise OpenAIError(
+                400, f"{param}: the grammar did not compile within {timeout:g} s", param=param
+            )
+        exc = compiled.exception()
+        if exc is not None:
+            raise OpenAIError(400, f"{param}: {exc}", param=param)
+
     async def completion(self, request: CompletionRequest, request_id: str) -> Response:
         self._check_model(request.model)
         if request.echo:
@@ -138,7 +225,8 @@ class OpenAIIngress:
         if request.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
         prompts = self._encode_prompts(request.prompt)
-        generation = await self._start(request, prompts, f"cmpl-{request_id}")
+        constraint = await self._constraint(request)
+        generation = await self._start(request, prompts, f"cmpl-{request_id}", None, constraint)
         if request.stream:
             return _sse(self._completion_stream(request, generation, f"cmpl-{request_id}"))
         outputs = await _collect(generation)
@@ -175,10 +263,11 @@ class OpenAIIngress:
         prompts: list[list[int]],
         engine_id: str,
         images: list[ImagePart] | None = None,
+        constraint: Constraint | None = None,
     ) -> Generation:
         """Validates, opens one engine stream per prompt and waits for each first step, so
         that rejections (400, 503) still get a proper status code."""
-        fields = [sampling_fields(request, len(ids), self.limits) for ids in prompts]
+        fields = [sampling_fields(request, len(ids), self.limits, constraint) for ids in prompts]
         stop = stop_strings(request)
         seq_texts = [
             [
@@ -243,7 +332,11 @@ class OpenAIIngress:
         )
 
     async def _chat_stream(
-        self, request: ChatCompletionRequest, generation: Generation, response_id: str
+        self,
+        request: ChatCompletionRequest,
+        generation: Generation,
+        response_id: str,
+        tools: ToolSetup | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         model = self.config.served_model_name
@@ -271,15 +364,28 @@ class OpenAIIngress:
                 for i in range(len(generation.choices))
             ]
         )
+        parsers = [tools.new_parser() if tools else None for _ in generation.choices]
         try:
             async for events in generation.events():
                 choices = []
                 for event in events:
+                    delta: dict[str, Any] = {"content": event.text} if event.text else {}
+                    finish_reason = event.finish_reason
+                    parser = parsers[event.index]
+                    if parser is not None:
+                        assert tools is not None
+                        final = finish_reason is not None
+                        content, calls = parser.feed(event.text, final)
+                        delta = {"content": content} if content else {}
+                        if calls:
+                            delta["tool_calls"] = [call.to_openai() for call in calls]
+                        if final:
+                            finish_reason = tools.finish_reason(finish_reason, len(parser.calls))
                     choice: dict[str, Any] = {
                         "index": event.index,
-                        "delta": {"content": event.text} if event.text else {},
+                        "delta": delta,
                         "logprobs": None,
-                        "finish_reason": event.finish_reason,
+                        "finish_reason": finish_reason,
                     }
                     if event.finish_reason is not None:
                         choice["stop_reason"] = event.stop_reason
@@ -336,9 +442,11 @@ class OpenAIIngress:
 
     # -- prompts ----------------------------------------------------------------------------
 
-    async def _encode_chat(self, messages: list[ChatMessage]) -> tuple[list[int], list[ImagePart]]:
+    async def _encode_chat(
+        self, messages: list[ChatMessage], tools: ToolSetup | None = None
+    ) -> tuple[list[int], list[ImagePart]]:
         """The chat's prompt ids (image placeholders expanded) and its images, checked at the
-        edge (app/images.py) before anything is queued."""
+        edge (app/images.py) before anything is queued; ``tools`` go to the template."""
         conversation: list[dict[str, Any]] = []
         pending: list[tuple[str, str]] = []  # (url, param) in prompt order
         for index, message in enumerate(messages):
@@ -367,7 +475,7 @@ class OpenAIIngress:
                     content = "\n".join(p["text"] for p in parts)
                 else:
                     content = parts
-            conversation.append({"role": message.role, "content": content or ""})
+            conversation.append(template_message(message, content or ""))
         try:
             check_image_count(len(pending), self.image_limits, "messages")
             # A task group: the first refused image cancels the other downloads.
@@ -381,8 +489,15 @@ class OpenAIIngress:
             assert isinstance(exc, ImageInputError)
             raise OpenAIError(exc.status_code, exc.message, param=exc.param) from exc
         images = [load.result() for load in loads]
+        template_tools = tools.tools if tools is not None and tools.tools else None
+        has_tool_turns = any(m.tool_calls or m.role == "tool" for m in messages)
+        if (tools is not None and tools.inject) or (
+            has_tool_turns and "tools" not in (self.tokenizer.chat_template or "")
+        ):
+            conversation = hermes_conversation(conversation, template_tools or [])
+            template_tools = None
         try:
-            ids = self.tokenizer.encode_chat(conversation)
+            ids = self.tokenizer.encode_chat(conversation, template_tools)
         except UnicodeError as exc:
             raise OpenAIError(400, f"messages hold invalid text: {exc}", "messages") from exc
         except Exception as exc:  # jinja errors: roles the template refuses, and the like
@@ -572,6 +687,10 @@ def build_fastapi(ingress: OpenAIIngress) -> FastAPI:
     async def chat(request: ChatCompletionRequest, raw: Request) -> Response:
         return await ingress.chat(request, _request_id(raw))
 
+    @api.post("/v1/responses")
+    async def responses(request: ResponsesRequest, raw: Request) -> Response:
+        return await ingress.responses(request, _request_id(raw))
+
     @api.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
         return await ingress.completion(request, _request_id(raw))
@@ -601,6 +720,19 @@ def build_fastapi(ingress: OpenAIIngress) -> FastAPI:
         return await ingress.render_metrics()
 
     return api
+
+
+def _chat_message(
+    text: str, finish_reason: str | None, tools: ToolSetup | None
+) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a choice and its finish reason (tool calls parsed out)."""
+    if tools is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    parser = tools.new_parser()
+    parser.feed(text, final=True)
+    content, calls = parser.message()
+    message = {"role": "assistant", "content": content, "tool_calls": calls}
+    return message, tools.finish_reason(finish_reason, len(calls or []))
 
 
 def _request_id(raw: Request) -> str:

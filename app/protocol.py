@@ -10,15 +10,15 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from neuron_runtime.sampling_params import MAX_LOGPROBS
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields (chat_template, tools, ...) are ignored, as in vLLM; nothing from the
-    # request reaches template rendering except the messages.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # A field the server does not honour is refused (400 naming it), never ignored: a client
+    # sending one would otherwise get a result that silently differs from what it asked for.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # A cap on list-valued sampling parameters (allowed_token_ids, bad_words), checked before
@@ -28,6 +28,37 @@ MAX_LIST_PARAM = 4096
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute in pydantic, hence the alias.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's ``structured_outputs`` object: exactly one constraint (checked when built)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -59,6 +90,17 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Constrained output (at most one of these): OpenAI's response_format, vLLM's
+    # structured_outputs object, and vLLM's older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    # Only llguidance is here: "guidance" names it in vLLM; "auto" picks it.
+    guided_decoding_backend: Literal["auto", "guidance", "llguidance"] | None = None
 
 
 class TextPart(OpenAIModel):
@@ -66,11 +108,53 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Non-text parts (image_url, input_audio) are rejected by the ingress with a clear 400.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -78,6 +162,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(SamplingFields):
@@ -141,6 +228,7 @@ class CompletionLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -12,6 +12,7 @@ from typing import Any
 from app.errors import OpenAIError
 from app.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from neuron_runtime.sampling_params import SamplingParams
+from neuron_runtime.structured_output import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,58 @@ class Limits:
     max_n: int
     max_prompts: int
     max_stop_strings: int = 16
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """The grammar a request's output must follow, and the request field it came from (a
+    400 about the grammar names that field)."""
+
+    params: StructuredOutputsParams
+    param: str
+
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def output_constraint(request: SamplingFields) -> Constraint | None:
+    """The request's constraint from ``response_format``, ``structured_outputs`` or one of
+    vLLM's ``guided_*`` fields (at most one of them); None for free text."""
+    given = []
+    if request.response_format is not None and request.response_format.type != "text":
+        given.append("response_format")
+    if request.structured_outputs is not None:
+        given.append("structured_outputs")
+    given += [name for name in GUIDED_FIELDS if getattr(request, name) is not None]
+    if len(given) > 1:
+        raise OpenAIError(
+            400, f"give at most one output constraint, got {', '.join(given)}", param=given[1]
+        )
+    if request.guided_whitespace_pattern is not None and given != ["guided_json"]:
+        raise OpenAIError(400, "it applies only to guided_json", param="guided_whitespace_pattern")
+    if not given:
+        return None
+    source = given[0]
+    try:
+        if source == "response_format":
+            fmt = request.response_format
+            assert fmt is not None
+            if fmt.json_schema is None:
+                return Constraint(StructuredOutputsParams(json_object=True), source)
+            schema = fmt.json_schema.json_schema
+            return Constraint(StructuredOutputsParams(json=schema), "response_format.json_schema")
+        if source == "structured_outputs":
+            assert request.structured_outputs is not None
+            fields = request.structured_outputs.model_dump(by_alias=True, exclude_unset=True)
+            return Constraint(StructuredOutputsParams(**fields), source)
+        value = getattr(request, source)
+        kind = source.removeprefix("guided_")
+        extra = {}
+        if request.guided_whitespace_pattern is not None:
+            extra["whitespace_pattern"] = request.guided_whitespace_pattern
+        return Constraint(StructuredOutputsParams(**{kind: value}, **extra), source)
+    except ValueError as exc:
+        raise OpenAIError(400, f"{source}: {exc}", param=source) from exc
 
 
 def stop_strings(request: SamplingFields) -> list[str]:
@@ -51,9 +104,13 @@ def check_prompt_ids(ids: list[int], limits: Limits, param: str) -> None:
 
 
 def sampling_fields(
-    request: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int, limits: Limits
+    request: ChatCompletionRequest | CompletionRequest,
+    num_prompt_tokens: int,
+    limits: Limits,
+    constraint: Constraint | None = None,
 ) -> dict[str, Any]:
-    """The SamplingParams fields for one prompt of ``request`` (validated by constructing it)."""
+    """The SamplingParams fields for one prompt of ``request`` (validated by constructing it);
+    ``constraint``: the grammar the output must follow."""
     if request.n > limits.max_n:
         raise OpenAIError(400, f"n must be at most {limits.max_n}, got {request.n}", param="n")
     if len(stop_strings(request)) > limits.max_stop_strings:
@@ -91,6 +148,7 @@ def sampling_fields(
         "detokenize": False,
         "logprobs": logprobs_count(request),
         "prompt_logprobs": request.prompt_logprobs,
+        "structured_outputs": None if constraint is None else constraint.params,
     }
     if request.prompt_logprobs is not None and request.stream:
         raise OpenAIError(

@@ -1,0 +1,233 @@
+"""Grammar-constrained decoding: per-token overhead against free decoding, and compile time.
+
+Offline engine, default model (SmolLM2-135M, 49,152-token vocabulary), fp32, 1 torch thread.
+Each batch (1 and 32) runs the same prompts free (ignore_eos) and constrained, alternating
+free, constrained, free, constrained, ...; the grammars cannot end before ``--tokens``
+tokens, so both produce exactly that many. Per-token time = (time for N tokens - time for
+1 token) / (N - 1), which leaves the prompt out. Constraints:
+
+- ``regex``: ``([a-z]+ ){N}`` words (free text inside a grammar);
+- ``json``: an array of at least N strings of at least 2 characters (JSON schema).
+
+Then the cost of its parts at batch 32 (mask fill by llguidance, bitmask applied to the
+logits), and compile time: the first compile of each schema (its own cache key) and a
+cache hit.
+
+    python bench/structured.py [--repeats 3] [--tokens 64] [--json bench/results/structured.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from neuron_runtime import LLM, SamplingParams
+from neuron_runtime.structured_output import (
+    GrammarCompiler,
+    StructuredOutputManager,
+    StructuredOutputsParams,
+    apply_grammar_bitmasks,
+)
+
+PROMPT = "Write a list of {i} words about the sea:"
+COMPILE_SCHEMAS = {
+    "flat object": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name", "age"],
+    },
+    "nested + arrays + enums": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+                    "score": {"type": "number", "minimum": -1.5, "maximum": 99.5},
+                },
+                "required": ["id", "tags"],
+            },
+            "ok": {"type": "boolean"},
+        },
+        "required": ["user"],
+    },
+    "40 properties": {
+        "type": "object",
+        "properties": {f"field_{i}": {"type": ["string", "integer", "null"]} for i in range(40)},
+        "required": [f"field_{i}" for i in range(40)],
+    },
+    "enum of 5,000": {"enum": [f"value number {i}" for i in range(5000)]},
+}
+
+
+def constraints(tokens: int) -> dict[str, StructuredOutputsParams]:
+    return {
+        "regex": StructuredOutputsParams(regex=f"([a-z]+ ){{{tokens},}}"),
+        "json": StructuredOutputsParams(
+            json={
+                "type": "array",
+                "items": {"type": "string", "minLength": 2, "maxLength": 12},
+                "minItems": tokens,
+            },
+            disable_any_whitespace=True,
+        ),
+    }
+
+
+def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for out in outs:
+        assert len(out.outputs[0].token_ids) == params.max_tokens, out.outputs[0].finish_reason
+    return elapsed
+
+
+def per_token(llm: LLM, prompts: list[str], params: SamplingParams, tokens: int) -> float:
+    """(time for N tokens - time for 1 token) / (N - 1), in seconds."""
+    full = timed(llm, prompts, params.replace(max_tokens=tokens))
+    first = timed(llm, prompts, params.replace(max_tokens=1))
+    return (full - first) / (tokens - 1)
+
+
+def decode_overhead(llm: LLM, batch: int, tokens: int, repeats: int) -> dict:
+    prompts = [PROMPT.format(i=i) for i in range(batch)]
+    free = SamplingParams(temperature=0, ignore_eos=True)
+    runs: dict[str, list[float]] = {"free": []}
+    kinds = constraints(tokens)
+    for kind in kinds:
+        runs[kind] = []
+    per_token(llm, prompts, free, 4)  # warm up (kernels, caches)
+    for params in kinds.values():  # compile once: the timed runs hit the cache
+        per_token(llm, prompts, SamplingParams(temperature=0, structured_outputs=params), 4)
+    for _ in range(repeats):
+        runs["free"].append(per_token(llm, prompts, free, tokens))
+        for kind, params in kinds.items():
+            constrained = SamplingParams(temperature=0, structured_outputs=params)
+            runs[kind].append(per_token(llm, prompts, constrained, tokens))
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    return {
+        "batch": batch,
+        "per_token_ms": {k: 1e3 * v for k, v in medians.items()},
+        "overhead": {k: medians[k] / medians["free"] - 1 for k in kinds},
+        "runs_ms": {k: [1e3 * x for x in v] for k, v in runs.items()},
+    }
+
+
+def parts_at_batch(llm: LLM, batch: int, steps: int = 64) -> dict:
+    """Mask fill (llguidance, one call for the batch) and the bitmask applied to [B, V]."""
+    manager = StructuredOutputManager(llm.engine.structured.compiler)
+    params = constraints(steps)["regex"]
+    ids = [f"r{i}" for i in range(batch)]
+    for req_id in ids:
+        manager.add(req_id, params)
+    while not all(manager.status(r, [])[0] for r in ids):
+        manager.wait_for_compiles(0.1)
+    word = llm.get_tokenizer().encode(" sea", add_special_tokens=False)
+    letters = llm.get_tokenizer().encode("a", add_special_tokens=False)
+    vocab = llm.engine.config.model.vocab_size
+    logits = torch.randn(batch, vocab)
+    fill, apply = [], []
+    for step in range(steps):
+        start = time.perf_counter()
+        rows = manager.bitmask(ids)
+        fill.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        apply_grammar_bitmasks(logits, [rows[r] for r in ids])
+        apply.append(time.perf_counter() - start)
+        token = (letters if step % 2 == 0 else word)[0]
+        for req_id in ids:
+            assert manager.accept(req_id, token)
+    return {
+        "batch": batch,
+        "mask_fill_ms": 1e3 * statistics.median(fill),
+        "bitmask_apply_ms": 1e3 * statistics.median(apply),
+    }
+
+
+def compile_times(llm: LLM) -> dict:
+    tokenizer = llm.get_tokenizer()
+    vocab = llm.engine.config.model.vocab_size
+    compiler = GrammarCompiler(tokenizer.hf_tokenizer, vocab, tokenizer.eos_token_id)
+    start = time.perf_counter()
+    compiler.ll_tokenizer()
+    out = {"token table (once per tokenizer)": time.perf_counter() - start}
+    for name, schema in COMPILE_SCHEMAS.items():
+        params = StructuredOutputsParams(json=schema)
+        start = time.perf_counter()
+        compiler.submit(params).future.result()
+        out[name] = time.perf_counter() - start
+    params = StructuredOutputsParams(json=COMPILE_SCHEMAS["flat object"])
+    start = time.perf_counter()
+    compiler.submit(params).future.result()
+    out["cache hit"] = time.perf_counter() - start
+    return {name: 1e3 * seconds for name, seconds in out.items()}
+
+
+def machine() -> dict:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in lscpu.splitlines()
+            if line.startswith("Model name")
+        ),
+        platform.processor(),
+    )
+    return {"cpu": model, "load_average": list(Path("/proc/loadavg").read_text().split()[:3])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default="bench/results/structured.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(
+        model="smollm2-135m-instruct",
+        max_model_len=512,
+        num_kv_blocks=640,
+        enable_prefix_caching=False,
+    )
+    result = {"machine_start": machine(), "threads": args.threads, "tokens": args.tokens}
+    result["compile_ms"] = compile_times(llm)
+    result["decode"] = [decode_overhead(llm, b, args.tokens, args.repeats) for b in (1, 32)]
+    result["parts"] = [parts_at_batch(llm, b) for b in (1, 32)]
+    result["machine_end"] = machine()
+
+    print(
+        f"CPU {result['machine_start']['cpu']}, load {result['machine_start']['load_average']}"
+        f" -> {result['machine_end']['load_average']}, {args.threads} thread(s)"
+    )
+    print("\n| batch | free ms/token | regex ms/token | overhead | json ms/token | overhead |")
+    print("|---|---|---|---|---|---|")
+    for row in result["decode"]:
+        ms, over = row["per_token_ms"], row["overhead"]
+        print(
+            f"| {row['batch']} | {ms['free']:.2f} | {ms['regex']:.2f} | {over['regex']:+.1%} "
+            f"| {ms['json']:.2f} | {over['json']:+.1%} |"
+        )
+    print("\n| batch | mask fill ms/step | bitmask apply ms/step |")
+    print("|---|---|---|")
+    for row in result["parts"]:
+        print(f"| {row['batch']} | {row['mask_fill_ms']:.3f} | {row['bitmask_apply_ms']:.3f} |")
+    print("\n| compile | ms |")
+    print("|---|---|")
+    for name, ms in result["compile_ms"].items():
+        print(f"| {name} | {ms:.1f} |")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
