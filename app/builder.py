@@ -54,13 +54,14 @@ class DisaggregationArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # How the KV moves from prefill to decode replicas: "object_store" (ray.put, the decode
-    # replica reads the ref) or "gloo" (torch.distributed point-to-point over 127.0.0.1, the
-    # CPU stand-in for Neuron collectives; the prefill replica keeps the KV in an outbox until
-    # a decode replica asks: for kv_outbox_timeout_s at most, kv_outbox_max_mib in all).
-    kv_transport: TransportName = "object_store"
-    kv_outbox_timeout_s: float = Field(60.0, gt=0)
-    kv_outbox_max_mib: int = Field(1024, ge=1)
+    # How the KV moves from prefill to decode replicas: "nixl" (the decode replica reads the
+    # prefill replica's cache blocks straight into its own through a NIXL agent, backend
+    # kv_nixl_backend: UCX here, LIBFABRIC for EFA) or "object_store" (the KV copied out of
+    # the blocks and ray.put; the decode replica reads the ref). With nixl the prefill replica
+    # holds a handed-off prompt's blocks until they are read, kv_hold_timeout_s at most.
+    kv_transport: TransportName = "nixl"
+    kv_nixl_backend: str = Field("UCX", min_length=1)
+    kv_hold_timeout_s: float = Field(30.0, gt=0)
 
     # A decode replica waits this long for a prefilled request's KV, then applies the policy:
     # "recompute" runs the prompt on the decode replica, "fail" ends the request with an error.
@@ -291,9 +292,7 @@ def _disaggregated(
     routed), and VisionEncoder replicas (rendezvous routed) for a model with a vision tower."""
     engine_args = args.full_engine_args()
     pd = args.disaggregation
-    transport = KVTransportConfig(
-        pd.kv_transport, pd.kv_outbox_timeout_s, pd.kv_outbox_max_mib * (1 << 20)
-    )
+    transport = KVTransportConfig(pd.kv_transport, pd.kv_hold_timeout_s, pd.kv_nixl_backend)
     if pd.prefill_routing == "prefix_affinity":
         prefill_router = _router_config(
             request_router_class="router.request_routers:PrefixAffinityRouter",

@@ -13,16 +13,17 @@ Arrivals are Poisson at ``--request-rate`` (requests/s) or, with rate inf, as fa
 
 With ``--start-server`` one local cluster runs the applications of ``--configs``:
 ``colocated`` (one LLMServer), ``disaggregated`` (PDRouter -> PrefillServer -> DecodeServer,
-the KV through Ray's object store) and ``disaggregated-gloo`` (the same, the KV over the gloo
-transport), and each round loads them in turn (A B C A B C ...), so background load hits all
-alike. For each disaggregated app the KV handoff is read from its /metrics, per transport: the
-export (prefill side, inside TTFT) and the import (decode side, before the second token). The
+the KV through Ray's object store) and ``disaggregated-nixl`` (the same, the decode replica
+reading the prefill replica's blocks through NIXL), and each round loads them in turn
+(A B C A B C ...), so background load hits all alike. For each disaggregated app the KV
+handoff is read from its /metrics, per transport: the export (prefill side, inside TTFT) and
+the import (decode side, before the second token). The
 "direct" run drives an in-process AsyncEngine with the same prompts and schedule; its
 difference to the colocated app is the cost of the Serve path (proxy -> ingress -> LLM replica
 and back, SSE, detokenization).
 
     python bench/serve.py --start-server --num-requests 16 --concurrency 4 --rounds 2
-    python bench/serve.py --start-server --configs colocated,disaggregated,disaggregated-gloo
+    python bench/serve.py --start-server --configs colocated,disaggregated,disaggregated-nixl
     python bench/serve.py --base-url http://127.0.0.1:8000 ...   # against `make serve`
 
 Only 127.0.0.1 / localhost targets are accepted.
@@ -51,7 +52,7 @@ MODEL = "smollm2-135m-instruct"
 CONFIGS = {
     "colocated": ("colocated", "object_store"),
     "disaggregated": ("disaggregated", "object_store"),
-    "disaggregated-gloo": ("disaggregated", "gloo"),
+    "disaggregated-nixl": ("disaggregated", "nixl"),
 }
 
 
@@ -343,11 +344,11 @@ def main() -> None:
     print_table({k: v for k, v in rows.items() if "completed" in v})
     served = [k for k in rows if k != "direct"]
     pairs = [(a, "direct") for a in served if "direct" in rows]
-    for name in ("disaggregated", "disaggregated-gloo"):
+    for name in ("disaggregated", "disaggregated-nixl"):
         if "colocated" in rows and name in rows:
             pairs.append((name, "colocated"))
-    if "disaggregated" in rows and "disaggregated-gloo" in rows:
-        pairs.append(("disaggregated-gloo", "disaggregated"))
+    if "disaggregated" in rows and "disaggregated-nixl" in rows:
+        pairs.append(("disaggregated-nixl", "disaggregated"))
     for a, b in pairs:
         delta = {
             f"{m}_p50_delta_ms": rows[a][m]["p50_ms"] - rows[b][m]["p50_ms"]

@@ -1,14 +1,17 @@
 """The decode deployment: the engine in decode role.
 
-It redeems a prefilled request's KV ticket through the configured transport (object store or
-gloo, deployments/kv_transport.py), imports the KV (the engine checks the metadata against its
-model and the prompt), and continues the request in its running batch, streaming token ids. A
-fetch that fails or times out follows ``on_kv_failure``: "recompute" (run the prompt here) or
-"fail" (end the request with an error).
+It turns a prefilled request's handoff into what its engine imports, through the configured
+transport (deployments/kv_transport.py): a block read (NIXL: the engine allocates the prompt's
+blocks and reads the prefill blocks straight into them before the request runs) or a payload
+(the object store, or NIXL between caches of unequal layouts). The engine checks the metadata
+against its model and the prompt, then continues the request in its running batch, streaming
+token ids. A transfer that fails or times out follows ``on_kv_failure``: "recompute" (run the
+prompt here) or "fail" (end the request with an error).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +23,7 @@ from deployments.engine_replica import EngineReplica, image_inputs, to_step_outp
 from deployments.kv_transport import KVTransportConfig, make_transport
 from deployments.protocol import DecodeRequest, KVTransferInfo, StepOutput
 from neuron_runtime import RequestOutputKind, SamplingParams
-from neuron_runtime.kv_transfer import KVHandoff, KVPayload
+from neuron_runtime.kv_transfer import KVBlockSource, KVPayload
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,45 +53,72 @@ class DecodeServer(EngineReplica):
         self.kv_fetch_timeout_s = kv_fetch_timeout_s
         self.on_kv_failure = on_kv_failure
         self.transport = make_transport(kv_transport or KVTransportConfig())
+        self.transport.attach(self.engine.engine, self.engine.abort)
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[StepOutput]:
-        """Streams the request's tokens after ``request.output_token_ids``."""
-        payload, transfer = await self._fetch(request)
-        handoff = KVHandoff(payload, [request.output_token_ids], [request.generator_state])
+        """Streams the request's tokens after ``request.handoff.output_token_ids``."""
+        start = time.perf_counter()
+        kv, transfer = await self._receive(request)
+        handoff = dataclasses.replace(request.handoff, kv=kv)
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         images = await image_inputs(request.images)
         first = True
-        async for out in self.engine.generate(
-            prompt,
-            params,
-            request.request_id,
-            kind=RequestOutputKind.DELTA,
-            handoff=handoff,
-            **images,
-        ):
-            step = to_step_output(out)
-            if first:
-                step.kv_transfer, first = transfer, False
-            if out.finished:
-                step.stats = self.stats()
-            yield step
+        try:
+            async for out in self.engine.generate(
+                prompt,
+                params,
+                request.request_id,
+                kind=RequestOutputKind.DELTA,
+                handoff=handoff,
+                **images,
+            ):
+                step = to_step_output(out)
+                if first:
+                    first = False
+                    if isinstance(kv, KVBlockSource):
+                        transfer = self._read_info(request.request_id, kv, start)
+                        if transfer.failed and self.on_kv_failure == "fail":
+                            raise KVFetchError(f"the prompt's KV could not be read: {step.error}")
+                    step.kv_transfer = transfer
+                if out.finished:
+                    step.stats = self.stats()
+                yield step
+        finally:
+            if isinstance(kv, KVBlockSource):
+                kv.abandon()
 
-    async def _fetch(self, request: DecodeRequest) -> tuple[KVPayload | None, KVTransferInfo]:
-        ticket = request.kv_ticket
-        if ticket is None:
+    async def _receive(
+        self, request: DecodeRequest
+    ) -> tuple[KVPayload | KVBlockSource | None, KVTransferInfo]:
+        handoff = request.handoff
+        if handoff.ticket is None:
             return None, KVTransferInfo("recompute", "import", 0, 0.0)
         start = time.perf_counter()
         try:
-            payload = await self.transport.fetch(ticket, self.kv_fetch_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - timeout, owner died, payload lost or expired
+            kv = await self.transport.receive(handoff, self.kv_fetch_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - timeout, owner died, KV lost or expired
             seconds = time.perf_counter() - start
             if self.on_kv_failure == "fail":
                 raise KVFetchError(f"the prompt's KV could not be fetched: {exc!r}") from exc
             logger.warning("KV fetch for %s failed (%r): recomputing", request.request_id, exc)
             return None, KVTransferInfo(self.transport.name, "import", 0, seconds, failed=True)
         seconds = time.perf_counter() - start
-        return payload, KVTransferInfo(self.transport.name, "import", request.num_kv_bytes, seconds)
+        if isinstance(kv, KVBlockSource):
+            kv.recompute_on_failure = self.on_kv_failure == "recompute"
+            # Filled in once the engine has read the blocks (_read_info).
+            return kv, KVTransferInfo(self.transport.name, "import", 0, seconds)
+        # A payload: the object store's array, or NIXL's tokens between unequal layouts.
+        name = self.transport.name if self.transport.name == "object_store" else "nixl_tokens"
+        return kv, KVTransferInfo(name, "import", handoff.num_kv_bytes, seconds)
+
+    def _read_info(self, request_id: str, read: KVBlockSource, start: float) -> KVTransferInfo:
+        """How a block read went, once the request produced its first output here."""
+        if read.done_at is None:
+            seconds = time.perf_counter() - start
+            logger.warning("KV read for %s failed: %s", request_id, read.error)
+            return KVTransferInfo(self.transport.name, "import", 0, seconds, failed=True)
+        return KVTransferInfo(self.transport.name, "import", read.num_bytes, read.done_at - start)
 
     def __del__(self) -> None:
         # Serve calls this on shutdown; __init__ may have failed before the transport existed.

@@ -1,55 +1,63 @@
 """How a prefilled request's KV travels from a prefill replica to a decode replica.
 
-A transport has two halves. ``export`` runs on the prefill replica and returns a ticket: plain
-data that rides in PrefillResult -> DecodeRequest through the router. ``fetch`` runs on the
-decode replica, redeems the ticket within a timeout and returns the KVPayload, or raises
-(the decode replica then applies its policy: recompute or fail). Two implementations, chosen
-by name in the config (``DisaggregationArgs.kv_transport``):
+The prefill engine hands a request off as a ``KVHandoff`` (neuron_runtime/kv_transfer.py): the
+prompt's blocks stay held in its cache. A transport has two halves. ``export`` runs on the
+prefill replica and puts the transport's plain-data ticket into the handoff, which rides
+PrefillResult -> router -> DecodeRequest unchanged. ``receive`` runs on the decode replica and,
+within a timeout, turns the handoff into what the decode engine imports (``handoff.kv``), or
+raises (the decode replica then applies its policy: recompute or fail). Two implementations,
+chosen by name in the config (``DisaggregationArgs.kv_transport``):
 
-- ``object_store``: the payload goes into Ray's object store (``ray.put``); the ticket holds
-  the ObjectRef, and the payload lives as long as someone holds it.
-- ``gloo``: the prefill replica keeps the payload in an outbox and sends it over a
-  torch.distributed gloo pair group when a decode replica asks (deployments/gloo_transport.py).
+- ``nixl`` (deployments/nixl_transport.py): each engine replica registers its KV cache with a
+  NIXL agent; the decode engine allocates its blocks and reads the prefill blocks straight into
+  them (one READ), whose completion notifies the prefill replica to free them.
+- ``object_store``: the prefill replica copies the prompt's KV out of its blocks (freeing them
+  at once) and ``ray.put``s the array; the ticket holds the ObjectRef.
+
+Either way the prefill replica never holds a handed-off prompt's blocks longer than
+``hold_timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import ray
 
-from neuron_runtime.kv_transfer import KVMetadata, KVPayload
+from neuron_runtime.engine import LLMEngine
+from neuron_runtime.kv_transfer import KVBlockSource, KVHandoff, KVPayload
 
-TransportName = Literal["object_store", "gloo"]
+TransportName = Literal["nixl", "object_store"]
 
 
 class KVTransportError(RuntimeError):
-    """A ticket could not be redeemed: the payload is gone, late, or the peer is unreachable."""
+    """A ticket could not be redeemed: the KV is gone, late, or the peer is unreachable."""
 
 
 @dataclass(frozen=True)
 class KVTransportConfig:
     """Which transport the prefill and decode replicas of one application use.
 
-    The outbox settings apply to transports that keep payloads on the prefill replica until
-    asked (gloo): entries nobody redeems within ``outbox_timeout_s`` are dropped, and they hold
-    at most ``outbox_max_bytes`` (the oldest is dropped first).
+    ``hold_timeout_s``: the longest a prefill replica holds a handed-off prompt's blocks for a
+    decode replica to read (nixl); a read that has not finished by then is abandoned.
+    ``nixl_backend``: the NIXL backend plugin (UCX here; LIBFABRIC for EFA on Trainium).
     """
 
-    name: TransportName = "object_store"
-    outbox_timeout_s: float = 60.0
-    outbox_max_bytes: int = 1 << 30
+    name: TransportName = "nixl"
+    hold_timeout_s: float = 30.0
+    nixl_backend: str = "UCX"
 
     def __post_init__(self) -> None:
-        if self.name not in ("object_store", "gloo"):
-            raise ValueError(f"unknown KV transport {self.name!r}: 'object_store' or 'gloo'")
-        if self.outbox_timeout_s <= 0:
-            raise ValueError(f"outbox_timeout_s must be > 0, got {self.outbox_timeout_s}")
-        if self.outbox_max_bytes < 1:
-            raise ValueError(f"outbox_max_bytes must be >= 1, got {self.outbox_max_bytes}")
+        if self.name not in ("nixl", "object_store"):
+            raise ValueError(f"unknown KV transport {self.name!r}: 'nixl' or 'object_store'")
+        if self.hold_timeout_s <= 0:
+            raise ValueError(f"hold_timeout_s must be > 0, got {self.hold_timeout_s}")
+        if not self.nixl_backend:
+            raise ValueError("nixl_backend must name a NIXL backend plugin, e.g. 'UCX'")
 
 
 @dataclass(frozen=True)
@@ -60,68 +68,60 @@ class ObjectStoreTicket:
     transport: str = "object_store"
 
 
-@dataclass(frozen=True)
-class GlooTicket:
-    """A payload in a prefill replica's outbox, sent by its gloo server at (host, port).
-
-    The metadata travels here, so the receiver allocates the array before the bytes arrive.
-    """
-
-    host: str
-    port: int
-    transfer_id: str
-    metadata: KVMetadata
-    transport: str = "gloo"
-
-
-KVTicket = ObjectStoreTicket | GlooTicket
-
-
 class KVTransport(ABC):
-    """One half or both of a transport; each replica builds its own from the config."""
+    """One replica's end of a transport; each engine replica builds its own from the config."""
 
     name: str
 
-    @abstractmethod
-    def export(self, payload: KVPayload) -> KVTicket:
-        """Prefill side: makes the payload available and returns the ticket that names it."""
+    def attach(self, engine: LLMEngine, release: Callable[[str], None]) -> None:
+        """Called once when the replica starts: the engine whose cache this replica serves,
+        and how to free a handed-off prompt's held blocks (by handoff id, thread-safe)."""
+        self.engine = engine
+        self.release = release
 
     @abstractmethod
-    async def fetch(self, ticket: KVTicket, timeout_s: float) -> KVPayload:
-        """Decode side: the payload within ``timeout_s``, or KVTransportError / TimeoutError."""
+    def export(self, handoff: KVHandoff) -> KVHandoff:
+        """Prefill side: the handoff with this transport's ticket; owns the hold from now on."""
 
-    def num_outbox(self) -> int:
-        """Payloads this replica holds for decode replicas that have not asked yet."""
+    @abstractmethod
+    async def receive(self, handoff: KVHandoff, timeout_s: float) -> KVPayload | KVBlockSource:
+        """Decode side: what the engine imports the KV from, within ``timeout_s``; raises
+        KVTransportError / TimeoutError when the KV cannot be had."""
+
+    def num_held(self) -> int:
+        """Handed-off prompts whose blocks this (prefill) replica holds for a decode replica."""
         return 0
 
-    @abstractmethod
     def close(self) -> None:
-        """Releases listeners and threads; the replica is going away."""
+        """Releases agents and tasks; the replica is going away."""
+        return None
 
 
 class ObjectStoreTransport(KVTransport):
-    """Ray's object store: numpy is read zero-copy; the owner (prefill replica) keeps it."""
+    """Ray's object store: the KV copied out of the blocks, read zero-copy by the decode side."""
 
     name = "object_store"
 
-    def export(self, payload: KVPayload) -> KVTicket:
-        return ObjectStoreTicket(ray.put(payload))
+    def export(self, handoff: KVHandoff) -> KVHandoff:
+        try:
+            payload = self.engine.read_kv(handoff)
+        finally:
+            self.release(handoff.handoff_id)
+        return replace(handoff, ticket=ObjectStoreTicket(ray.put(payload)))
 
-    async def fetch(self, ticket: KVTicket, timeout_s: float) -> KVPayload:
+    async def receive(self, handoff: KVHandoff, timeout_s: float) -> KVPayload | KVBlockSource:
+        ticket = handoff.ticket
         if not isinstance(ticket, ObjectStoreTicket):
-            raise KVTransportError(f"an object_store replica was given a {ticket.transport} ticket")
+            raise KVTransportError(f"an object_store replica was given {ticket!r}")
         payload = await asyncio.wait_for(ticket.ref, timeout_s)
         assert isinstance(payload, KVPayload), type(payload)
         return payload
 
-    def close(self) -> None:
-        """Nothing to release: Ray frees each payload when its last reference goes."""
-
 
 def make_transport(config: KVTransportConfig) -> KVTransport:
-    """The transport the config names; gloo's module (torch.distributed) loads only here."""
-    if config.name == "gloo":
-        from deployments.gloo_transport import GlooTransport
+    """The transport the config names; NIXL loads only here."""
+    if config.name == "nixl":
+        from deployments.nixl_transport import NixlTransport
 
-        return GlooTransport(config.outbox_timeout_s, config.outbox_max_bytes)
+        return NixlTransport(config.nixl_backend, config.hold_timeout_s)
     return ObjectStoreTransport()

@@ -1,11 +1,11 @@
 """The prefill deployment: the engine in prefill role.
 
-It computes a prompt's KV and first token, copies the KV out of its cache (the blocks stay in
-its prefix cache for later requests) and hands it to the configured KV transport, whose ticket
-goes back with the first token (deployments/kv_transport.py). With the object store the
-payload lives as long as someone holds its reference: the router drops it once the decode
-replica has the KV, or when the request ends. With gloo it waits in this replica's outbox until
-a decode replica asks for it or it expires. If this replica dies, the payload is lost and the
+It computes a prompt's KV and first token. The engine then hands the request off: its prompt
+blocks stay held in the cache (outside the running batch) and the ``KVHandoff`` names them.
+The configured transport (deployments/kv_transport.py) adds its ticket and takes over the
+hold: with NIXL the blocks are freed when the decode replica's READ completes (a NIXL
+notification) or ``hold_timeout_s`` after the export, whichever comes first; with the object
+store they are copied out and freed at once. If this replica dies the KV is lost and the
 decode side falls back to its policy (recompute or fail).
 """
 
@@ -39,6 +39,7 @@ class PrefillServer(EngineReplica):
     ) -> None:
         super().__init__(engine_args, engine_cls, stall_timeout_s)
         self.transport = make_transport(kv_transport or KVTransportConfig())
+        self.transport.attach(self.engine.engine, self.engine.abort)
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         """Runs the prompt; ValueError (invalid prompt or params) reaches the caller."""
@@ -58,31 +59,24 @@ class PrefillServer(EngineReplica):
         assert final is not None and final.finished
         step = to_step_output(final, with_queue_time=True)
         handoff = final.kv_handoff
-        if handoff is None or handoff.payload is None:
+        if handoff is None:  # the request ended on its first token
             step.stats = self.stats()
             return PrefillResult(step, replica_id=self.replica_id)
-        # The request goes on at a decode replica: to the router it has not finished.
-        step.finished = False
-        for seq in step.seqs:
-            seq.finish_reason = None
         start = time.perf_counter()
-        ticket = self.transport.export(handoff.payload)
-        nbytes = handoff.payload.nbytes
+        try:
+            handoff = self.transport.export(handoff)
+        except BaseException:
+            self.engine.abort(handoff.handoff_id)
+            raise
         step.kv_transfer = KVTransferInfo(
-            self.transport.name, "export", nbytes, time.perf_counter() - start
+            self.transport.name, "export", handoff.num_kv_bytes, time.perf_counter() - start
         )
         step.stats = self.stats()
-        return PrefillResult(
-            step,
-            kv_ticket=ticket,
-            num_kv_bytes=nbytes,
-            generator_state=handoff.generator_state(0),
-            replica_id=self.replica_id,
-        )
+        return PrefillResult(step, handoff, replica_id=self.replica_id)
 
     def stats(self) -> dict[str, Any]:
-        """The engine's load, and the exported payloads no decode replica has asked for yet."""
-        return {**super().stats(), "num_kv_outbox": self.transport.num_outbox()}
+        """The engine's load, and the handed-off prompts whose blocks are held for decode."""
+        return {**super().stats(), "num_kv_handoffs_held": self.transport.num_held()}
 
     def __del__(self) -> None:
         # Serve calls this on shutdown; __init__ may have failed before the transport existed.

@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from ray import ObjectRef
 
-from deployments.kv_transport import KVTicket
+from neuron_runtime.kv_transfer import KVHandoff
 
 
 @dataclass
@@ -99,36 +98,37 @@ class StepOutput:
 
 @dataclass
 class KVTransferInfo:
-    transport: str  # "object_store" | "gloo" | "recompute"
+    # "nixl" (blocks read into blocks), "nixl_tokens" (caches of unequal layouts: read into a
+    # staging buffer, imported as tokens), "object_store", or "recompute"
+    transport: str
     stage: str  # "export" (prefill side, before the first token returns) | "import"
     num_bytes: int
-    # export: handing the KV to the transport (object store: the copy into it; gloo: the outbox);
-    # import: asking for it to holding it (gloo: the whole transfer)
+    # export: handing the KV to the transport (nixl: the ticket; object store: the copy out of
+    # the blocks and into the store); import: from the ticket's arrival at the decode replica
+    # to the KV being in its blocks (nixl: loading the peer once, the READ)
     seconds: float
-    failed: bool = False  # the fetch failed or timed out (then the prompt was recomputed)
+    failed: bool = False  # the fetch failed or timed out (then recomputed, or the request failed)
 
 
 @dataclass
 class PrefillResult:
-    """A prefill replica's answer: the first token and, unless the request already ended,
-    the ticket a decode replica redeems for the prompt's KV (deployments/kv_transport.py)."""
+    """A prefill replica's answer: the first token and, unless the request already ended on
+    it, the handoff a decode replica continues from (its ticket set by the transport)."""
 
     step: StepOutput
-    kv_ticket: KVTicket | None = None
-    num_kv_bytes: int = 0
-    generator_state: np.ndarray | None = None  # the seeded sampler's state after token 1
+    handoff: KVHandoff | None = None
     replica_id: str = ""
 
 
 @dataclass
 class DecodeRequest:
-    """Continue a prefilled request: its prompt, the tokens already sent, and its KV."""
+    """Continue a prefilled request: its prompt and the prefill engine's handoff, unchanged.
+
+    A handoff without a ticket means: recompute the prompt on the decode replica.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
-    output_token_ids: list[int]
-    kv_ticket: KVTicket | None = None  # None means recompute the prompt
-    num_kv_bytes: int = 0
-    generator_state: np.ndarray | None = None
+    handoff: KVHandoff
     images: list[ImagePart] = field(default_factory=list)  # for a recompute of the prompt

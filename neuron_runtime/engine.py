@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+import uuid
 from dataclasses import dataclass
 
 from neuron_runtime.backends import get_backend
 from neuron_runtime.config import EngineConfig
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.kv_cache import KVCacheManager
-from neuron_runtime.kv_transfer import KVHandoff, KVMetadata, KVPayload
-from neuron_runtime.model_runner import ModelRunner
+from neuron_runtime.kv_layout import cache_layout
+from neuron_runtime.kv_transfer import (
+    KVBlockSource,
+    KVHandoff,
+    KVMetadata,
+    KVPayload,
+    KVTransferError,
+)
+from neuron_runtime.model_runner import ModelRunner, ModelRunnerOutput
 from neuron_runtime.multimodal import MultiModalInput, check_placeholders
 from neuron_runtime.output_processor import OutputProcessor
 from neuron_runtime.outputs import RequestOutput, RequestOutputKind
 from neuron_runtime.request import Request, RequestStatus
 from neuron_runtime.sampling_params import SamplingParams
-from neuron_runtime.scheduler import Scheduler
+from neuron_runtime.scheduler import Scheduler, SchedulerOutput
 from neuron_runtime.structured_output import GrammarCompiler, StructuredOutputManager
 from neuron_runtime.tokenizer import Tokenizer
 
@@ -38,7 +48,17 @@ class EngineStats:
     num_unfinished_outputs: int
     num_kv_exports: int = 0  # requests handed off to a decode engine (prefill role)
     num_kv_imports: int = 0  # requests continued from another engine's KV (decode role)
+    # Blocks held outside any request: handed-off prompts not yet read (prefill role) and
+    # blocks a block read is still writing into (decode role).
+    num_kv_blocks_held: int = 0
+    num_kv_reads: int = 0  # block reads in flight (decode role)
     num_grammar_states: int = 0  # grammar-constrained requests (compiling or running)
+
+
+@dataclass
+class _BlockRead:
+    source: KVBlockSource
+    hold_key: str  # the hold on the blocks it writes into
 
 
 class LLMEngine:
@@ -70,7 +90,10 @@ class LLMEngine:
             config.scheduler, self.kv, config.model.max_model_len, self.structured
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._handoffs: dict[str, KVHandoff] = {}  # parent id -> export waiting for its output
+        self.kv_layout = cache_layout(self.runner.kv_caches)
+        self._handoffs: dict[str, KVHandoff] = {}  # parent id -> handoff waiting for its output
+        self._reads: dict[str, _BlockRead] = {}  # req_id -> its KV arriving by block read
+        self._orphan_reads: list[_BlockRead] = []  # reads whose request ended or restarted
         self.num_kv_exports = 0
         self.num_kv_imports = 0
 
@@ -99,10 +122,11 @@ class LLMEngine:
         (``multimodal.expand_image_tokens``). Inputs with only an image are encoded now by the
         model's vision tower; precomputed features are checked and used as they are.
 
-        Disaggregated serving uses two roles. ``export_kv`` (prefill): the request ends once
-        its first token is out, and its final output carries a ``KVHandoff``. ``handoff``
+        Disaggregated serving uses two roles. ``export_kv`` (prefill): once its first token
+        is out the request leaves this engine: its final output carries a ``KVHandoff`` and
+        no finish reason, and its prompt blocks stay held until ``release_kv``. ``handoff``
         (decode): the request continues after the tokens the prefill engine produced, from
-        the imported KV (or by recomputing the prompt when the handoff has no payload).
+        ``handoff.kv`` (a payload, or a block read), or by recomputing the prompt (None).
         """
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -139,16 +163,24 @@ class LLMEngine:
 
     def _continue_from(self, request: Request, handoff: KVHandoff) -> list[int]:
         """Sets a decode-role request up after the handed-off tokens; returns those tokens."""
-        outputs = list(handoff.output_token_ids[0]) if handoff.output_token_ids else []
+        outputs = list(handoff.output_token_ids)
         if not outputs:
             raise ValueError("a KV handoff must carry the tokens the prefill side produced")
         if request.max_tokens is not None and len(outputs) >= request.max_tokens:
             raise ValueError("the handed-off tokens already reach max_tokens")
-        if handoff.payload is not None:
-            handoff.payload.check(self.config.model, request.prompt_token_ids, request.mm_inputs)
-            request.kv_import = handoff.payload
+        kv = handoff.kv
+        if isinstance(kv, KVPayload):
+            kv.check(self.config.model, request.prompt_token_ids, request.mm_inputs)
+            request.kv_import = kv
+        elif isinstance(kv, KVBlockSource):
+            kv.metadata.check(self.config.model, request.prompt_token_ids, request.mm_inputs)
+            mismatch = self.kv_layout.mismatch(kv.layout)
+            if mismatch is not None:
+                raise KVTransferError(f"KV blocks of another cache layout ({mismatch})")
+            # The scheduler reads only ``.metadata.num_tokens``; step() starts the read.
+            request.kv_import = kv  # type: ignore[assignment]
         request.all_token_ids.extend(outputs)
-        state = handoff.generator_state(0)
+        state = handoff.generator_state
         if state is not None and request.params.seed is not None:
             self.runner.restore_generator(request.req_id, request.params.seed, state)
         self.num_kv_imports += 1
@@ -156,10 +188,23 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
-        result = self.runner.execute(scheduled)
+        arriving, failed = self._read_kv(scheduled)
+        runnable = scheduled
+        if arriving or failed:
+            held_back = arriving | set(failed)
+            seqs = [s for s in scheduled.seqs if s.req_id not in held_back]
+            runnable = dataclasses.replace(scheduled, seqs=seqs)
+        if not runnable.seqs and not failed and (self._reads or self._orphan_reads):
+            time.sleep(0.0005)  # only transfers in flight: wait for them, do not spin
+        result = self.runner.execute(runnable) if runnable.seqs else ModelRunnerOutput()
+        result.failed.update(failed)
         if result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
-        updated = self.scheduler.update(scheduled, result.sampled, result.failed)
+        if failed:
+            runnable = dataclasses.replace(
+                runnable, seqs=runnable.seqs + [s for s in scheduled.seqs if s.req_id in failed]
+            )
+        updated = self.scheduler.update(runnable, result.sampled, result.failed)
         self._hand_off(updated)
         outputs, stopped = self.output_processor.process(updated, result.logprobs)
         for child_id in stopped:
@@ -168,42 +213,136 @@ class LLMEngine:
             if request.status.finished:
                 self.runner.release(request.req_id)
         for output in outputs:
-            if output.finished:
-                output.kv_handoff = self._handoffs.pop(output.request_id, None)
+            handoff = self._handoffs.pop(output.request_id, None) if output.finished else None
+            if handoff is not None:
+                # The sequence goes on at a decode engine: it has no finish reason.
+                output.kv_handoff = handoff
+                for completion in output.outputs:
+                    completion.finish_reason = completion.stop_reason = None
         return outputs
 
     def _hand_off(self, updated: list[Request]) -> None:
-        """Prefill role: exports the prompt KV of requests whose first token just came out.
+        """Prefill role: hands off the requests whose first token just came out.
 
-        Their blocks are freed at once (they stay in the prefix cache); the payload is a copy.
+        The prompt's blocks are held (one more reference each) under a fresh handoff id and
+        the request leaves the running batch; ``release_kv`` drops the hold once the decode
+        side has read them (or gave up). Nothing is copied here.
         """
+        bs = self.config.cache.block_size
         for request in updated:
             if not request.export_kv or request.status != RequestStatus.RUNNING:
                 continue  # not a prefill-role request, or it ended on its first token
             prompt = request.prompt_token_ids
-            payload = KVPayload(
-                KVMetadata.describe(self.config.model, prompt, request.mm_inputs),
-                self.runner.export_kv(request.block_table, len(prompt)),
-            )
+            block_ids = request.block_table[: -(-len(prompt) // bs)]
             parent_id = self.output_processor.child_to_parent[request.req_id]
+            handoff_id = f"{parent_id}@{uuid.uuid4().hex[:12]}"
+            self.kv.hold(handoff_id, block_ids)
             self._handoffs[parent_id] = KVHandoff(
-                payload,
-                [request.output_token_ids],
-                [self.runner.generator_state(request.req_id)],
+                metadata=KVMetadata.describe(self.config.model, prompt, request.mm_inputs),
+                output_token_ids=list(request.output_token_ids),
+                generator_state=self.runner.generator_state(request.req_id),
+                handoff_id=handoff_id,
+                layout=self.kv_layout,
+                block_ids=tuple(block_ids),
             )
             self.scheduler.finish(request.req_id, RequestStatus.FINISHED_HANDED_OFF)
             self.num_kv_exports += 1
 
+    def read_kv(self, handoff: KVHandoff) -> KVPayload:
+        """Prefill role: a copy of a handed-off prompt's KV, from its held blocks.
+
+        Safe from another thread while the hold lasts: held blocks are full prompt blocks or
+        the prompt's last block, which nobody writes once the request has left.
+        """
+        assert handoff.handoff_id in self.kv.held, f"{handoff.handoff_id} is not held"
+        kv = self.runner.export_kv(list(handoff.block_ids), handoff.metadata.num_tokens)
+        return KVPayload(handoff.metadata, kv)
+
+    def release_kv(self, handoff_id: str) -> bool:
+        """Prefill role: frees a handed-off prompt's blocks; False if they are not held."""
+        return self.kv.release(handoff_id)
+
+    def _read_kv(self, scheduled: SchedulerOutput) -> tuple[set[str], dict[str, str]]:
+        """Decode role: starts the block reads of newly admitted requests and polls the others.
+
+        Returns the requests whose KV is still arriving (left out of this step) and those
+        whose read failed without recompute (req_id -> error). A failed read with recompute
+        sets the request back to zero computed tokens: the next step computes its prompt.
+        """
+        for req_id in scheduled.preempted_req_ids:
+            read = self._reads.pop(req_id, None)
+            if read is not None:
+                self._orphan_reads.append(read)  # the restart recomputes; its blocks were freed
+        self._orphan_reads = [r for r in self._orphan_reads if not self._finished(r)]
+        arriving: set[str] = set()
+        failed: dict[str, str] = {}
+        bs = self.config.cache.block_size
+        for seq in scheduled.seqs:
+            source = seq.kv_import
+            if isinstance(source, KVBlockSource):
+                seq.kv_import = None
+                block_ids = seq.block_table[: -(-source.metadata.num_tokens // bs)]
+                read = _BlockRead(source, f"read:{seq.req_id}@{uuid.uuid4().hex[:12]}")
+                self.kv.hold(read.hold_key, block_ids)
+                self._reads[seq.req_id] = read
+                try:
+                    source.start(block_ids)
+                except KVTransferError as exc:
+                    self._read_failed(seq.req_id, exc, failed)
+                    arriving.add(seq.req_id)
+                    continue
+            read = self._reads.get(seq.req_id)
+            if read is None:
+                continue
+            try:
+                done = read.source.poll()
+            except KVTransferError as exc:
+                self._read_failed(seq.req_id, exc, failed)
+                arriving.add(seq.req_id)  # this step's slice assumed the KV was there
+                continue
+            if done:
+                del self._reads[seq.req_id]
+                self.kv.release(read.hold_key)
+            else:
+                arriving.add(seq.req_id)
+        return arriving - set(failed), failed
+
+    def _read_failed(self, req_id: str, exc: KVTransferError, failed: dict[str, str]) -> None:
+        read = self._reads.pop(req_id)
+        self.kv.release(read.hold_key)
+        if read.source.recompute_on_failure:
+            self.scheduler.requests[req_id].num_computed_tokens = 0
+        else:
+            failed[req_id] = f"the prompt's KV could not be read: {exc}"
+
+    def _finished(self, read: _BlockRead) -> bool:
+        """Polls an orphaned read; once it has ended (either way) its blocks are freed."""
+        try:
+            if not read.source.poll():
+                return False
+        except KVTransferError:
+            pass
+        self.kv.release(read.hold_key)
+        return True
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Ends a request wherever it is and frees its blocks; returns its final output."""
+        """Ends a request wherever it is and frees its blocks; returns its final output.
+
+        A handoff id (prefill role) releases that handed-off prompt's blocks.
+        """
+        if self.release_kv(request_id):
+            return None
         for child_id in self.output_processor.child_ids(request_id):
             self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
             self.runner.release(child_id)
+            read = self._reads.pop(child_id, None)
+            if read is not None:
+                self._orphan_reads.append(read)
         self._handoffs.pop(request_id, None)
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._orphan_reads)
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
@@ -220,6 +359,8 @@ class LLMEngine:
             num_unfinished_outputs=len(self.output_processor.parents),
             num_kv_exports=self.num_kv_exports,
             num_kv_imports=self.num_kv_imports,
+            num_kv_blocks_held=self.kv.num_held_blocks,
+            num_kv_reads=len(self._reads) + len(self._orphan_reads),
             num_grammar_states=self.structured.num_states,
         )
 

@@ -14,6 +14,11 @@ image's content hash: the same placeholder tokens with another image are another
 Freed blocks keep their hash and content until the pool reuses them (least recently freed
 first): a later request with the same prefix takes them back without recomputing.
 
+Blocks can also be held outside any request (``KVCacheManager.hold``): a prefill engine holds
+a handed-off prompt's blocks until the decode side has read them, and a decode engine holds
+the blocks a transfer is writing into until it has finished, whatever became of the request.
+A held block is one more reference, so it is neither freed nor reused meanwhile.
+
 This module holds no tensors; the model runner owns the cache memory.
 """
 
@@ -127,6 +132,27 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of those, found cached
+        self.held: dict[str, list[int]] = {}  # hold key -> blocks it references
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Distinct blocks referenced by holds."""
+        return len({b for blocks in self.held.values() for b in blocks})
+
+    def hold(self, key: str, block_ids: Sequence[int]) -> None:
+        """Adds one reference to each block, kept under ``key`` until ``release(key)``."""
+        assert key not in self.held, f"hold {key!r} exists"
+        for block_id in block_ids:
+            self.pool.touch(self.pool.blocks[block_id])
+        self.held[key] = list(block_ids)
+
+    def release(self, key: str) -> bool:
+        """Drops the hold ``key`` (blocks no request uses become free); False if unknown."""
+        block_ids = self.held.pop(key, None)
+        if block_ids is None:
+            return False
+        self.pool.free(block_ids)
+        return True
 
     @property
     def enable_prefix_caching(self) -> bool:

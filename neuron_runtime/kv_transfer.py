@@ -1,12 +1,19 @@
-"""A request's KV cache as plain data: exported by a prefill engine, imported by a decode engine.
+"""A request's KV cache handed from a prefill engine to a decode engine, as plain data.
 
-The payload is one numpy array plus a metadata dataclass, so it crosses processes through any
-transport (Ray's object store reads it zero-copy) without pickling torch tensors:
+One ``KVHandoff`` travels unchanged from the prefill engine's output to the decode engine: it
+names the prompt (``KVMetadata``), the tokens already produced, the seeded sampler's state,
+and where the prompt's KV is: blocks of the prefill engine's cache (``layout``,
+``block_ids``), held there until the decode side has read them or a timeout frees them.
+Transports add their ``ticket``; on the decode side ``kv`` is set to what the engine imports:
 
-    kv: [2, num_layers, num_kv_heads, num_tokens, head_dim] float32   (0 = keys, 1 = values)
+- a ``KVBlockSource``: reads the prefill blocks straight into blocks this engine allocates
+  (NIXL; both caches must have the same layout, kv_layout.py);
+- a ``KVPayload``: the tokens as one array (any block size), written into this engine's
+  blocks when the request is scheduled:
 
-Tokens, not blocks, are the unit: the two engines may have different block sizes or free
-blocks, so the decode side writes the tokens into whatever blocks it allocates.
+      kv: [2, num_layers, num_kv_heads, num_tokens, head_dim] float32   (0 = keys, 1 = values)
+
+- None: the decode engine recomputes the prompt (a lost or late transfer).
 
 The importer checks every metadata field against its own model and against the prompt it is
 given (the block hash chain names the exact tokens, and the images whose placeholders each
@@ -17,11 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from neuron_runtime.config import ModelConfig
+from neuron_runtime.kv_layout import KVLayout
 from neuron_runtime.multimodal import MultiModalInput, images_in_range
 
 # Hash chains for transfers are computed with this block size on both sides, whatever block
@@ -103,6 +113,33 @@ class KVMetadata:
     def shape(self) -> tuple[int, int, int, int, int]:
         return (2, self.num_layers, self.num_kv_heads, self.num_tokens, self.head_dim)
 
+    def check(
+        self,
+        model: ModelConfig,
+        prompt_token_ids: list[int],
+        mm_inputs: list[MultiModalInput] | None = None,
+    ) -> None:
+        """Raises KVTransferError naming the first field that does not match."""
+        expected = KVMetadata.describe(model, prompt_token_ids, mm_inputs)
+        for name in ("config_hash", "dtype", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) != getattr(expected, name):
+                raise KVTransferError(
+                    f"KV {name} is {getattr(self, name)!r}, this engine's model has "
+                    f"{getattr(expected, name)!r} (model {self.model_id!r} vs "
+                    f"{expected.model_id!r})"
+                )
+        if self.num_tokens != expected.num_tokens:
+            raise KVTransferError(
+                f"KV holds {self.num_tokens} tokens, the prompt has {expected.num_tokens}"
+            )
+        if self.image_hashes != expected.image_hashes:
+            raise KVTransferError("KV was computed for other images")
+        if (self.block_hashes, self.tail_token_ids) != (
+            expected.block_hashes,
+            expected.tail_token_ids,
+        ):
+            raise KVTransferError("KV was computed for other prompt tokens")
+
 
 @dataclass
 class KVPayload:
@@ -122,25 +159,8 @@ class KVPayload:
         mm_inputs: list[MultiModalInput] | None = None,
     ) -> None:
         """Raises KVTransferError naming the first field that does not match."""
-        expected = KVMetadata.describe(model, prompt_token_ids, mm_inputs)
+        self.metadata.check(model, prompt_token_ids, mm_inputs)
         got = self.metadata
-        for name in ("config_hash", "dtype", "num_layers", "num_kv_heads", "head_dim"):
-            if getattr(got, name) != getattr(expected, name):
-                raise KVTransferError(
-                    f"KV payload {name} is {getattr(got, name)!r}, this engine's model has "
-                    f"{getattr(expected, name)!r} (model {got.model_id!r} vs {expected.model_id!r})"
-                )
-        if got.num_tokens != expected.num_tokens:
-            raise KVTransferError(
-                f"KV payload holds {got.num_tokens} tokens, the prompt has {expected.num_tokens}"
-            )
-        if got.image_hashes != expected.image_hashes:
-            raise KVTransferError("KV payload was computed for other images")
-        if (got.block_hashes, got.tail_token_ids) != (
-            expected.block_hashes,
-            expected.tail_token_ids,
-        ):
-            raise KVTransferError("KV payload was computed for other prompt tokens")
         if self.kv.dtype != np.float32 or tuple(self.kv.shape) != got.shape:
             raise KVTransferError(
                 f"KV payload array is {self.kv.dtype} {tuple(self.kv.shape)}, its metadata "
@@ -148,20 +168,73 @@ class KVPayload:
             )
 
 
-@dataclass
-class KVHandoff:
-    """Everything a decode engine needs to continue a request that a prefill engine began.
+class KVBlockSource(ABC):
+    """A transfer that reads a handed-off prompt's KV blocks straight into this engine's cache.
 
-    ``payload`` None means "recompute": the decode engine runs the prompt itself (a lost or
-    late transfer) and continues from the tokens already produced.
+    The engine calls ``start`` once, from its loop thread, with the blocks it allocated for
+    the prompt (in prompt order, ``ceil(num_tokens / block_size)`` of them), then ``poll``
+    each step until it returns True; the request runs only then. Until ``poll`` has returned
+    True or raised, the transfer may still write into those blocks, so the engine keeps them
+    out of the free pool even if the request ends meanwhile.
     """
 
-    payload: KVPayload | None
-    # Per sequence (index i of n): the tokens the prefill side already produced and returned.
-    output_token_ids: list[list[int]]
-    # Per sequence: its seeded random generator's state after those tokens (None: unseeded),
-    # so seeded sampling continues exactly as it would have in one engine.
-    generator_states: list[np.ndarray | None] = field(default_factory=list)
+    metadata: KVMetadata
+    layout: KVLayout  # the source cache's layout (the engine checks that it matches its own)
+    # On a failed read: recompute the prompt in place (True) or end the request with an error.
+    recompute_on_failure: bool = True
+    # The outcome, for the owner's metrics: when the blocks were all in (time.perf_counter()),
+    # or why the read failed.
+    done_at: float | None = None
+    error: str | None = None
 
-    def generator_state(self, index: int) -> np.ndarray | None:
-        return self.generator_states[index] if index < len(self.generator_states) else None
+    @abstractmethod
+    def start(self, block_ids: list[int]) -> None:
+        """Posts the read into ``block_ids``; returns at once."""
+
+    @abstractmethod
+    def poll(self) -> bool:
+        """True once every block has arrived; KVTransferError if the read failed or is late."""
+
+    def abandon(self) -> None:
+        """The owner's request ended; a read that never started lets its source go now."""
+        return None
+
+    @property
+    def num_bytes(self) -> int:
+        num_blocks = -(-self.metadata.num_tokens // self.layout.block_size)
+        return (
+            num_blocks
+            * self.layout.num_regions
+            * self.layout.num_kv_heads
+            * (self.layout.block_bytes)
+        )
+
+
+@dataclass
+class KVHandoff:
+    """One sequence handed from a prefill engine to a decode engine (see the module docstring).
+
+    The prefill engine sets everything but ``ticket`` and ``kv``; its blocks ``block_ids``
+    stay held under ``handoff_id`` until ``LLMEngine.release_kv(handoff_id)``.
+    """
+
+    metadata: KVMetadata
+    # The tokens the prefill side already produced and returned (the first token, so far).
+    output_token_ids: list[int]
+    # The seeded random generator's state after those tokens (None: unseeded or greedy), so
+    # seeded sampling continues exactly as it would have in one engine.
+    generator_state: np.ndarray | None = None
+    handoff_id: str = ""
+    layout: KVLayout | None = None
+    block_ids: tuple[int, ...] = ()
+    ticket: Any = None  # the transport's plain-data ticket (deployments/kv_transport.py)
+    # Decode side only, never sent: what the engine takes the prompt's KV from.
+    kv: KVPayload | KVBlockSource | None = None
+
+    @property
+    def num_kv_bytes(self) -> int:
+        """Bytes of the prompt's KV in the prefill engine's blocks."""
+        if self.layout is None:
+            return 0
+        layout = self.layout
+        return len(self.block_ids) * layout.num_regions * layout.num_kv_heads * layout.block_bytes

@@ -4,8 +4,8 @@ It speaks the LLMServer protocol to the ingress (``generate`` streams StepOutput
 ``stats`` and ``check_health``), so the ingress does not know whether the engine behind it is
 colocated or split. Per request:
 
-    prefill replica (PrefixAffinityRouter)  -> first token, KV ticket -> streamed at once
-    decode replica (KVCapacityRouter)       <- prompt, first token, KV ticket
+    prefill replica (PrefixAffinityRouter)  -> first token, KVHandoff -> streamed at once
+    decode replica (KVCapacityRouter)       <- prompt, the same KVHandoff
                                             -> the other tokens      -> streamed
 
 The first token goes to the client before the KV moves, so the handoff adds to the second
@@ -111,23 +111,21 @@ class PDRouter:
         result = await self._prefill(request)
         self._note(result.step.stats)
         yield _reindexed(result.step, index)
-        if result.kv_ticket is None:
+        if result.handoff is None:
             return  # the request ended on its first token
         decode_request = DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             # The prompt's logprobs came with the prefill output; decode does not redo them.
             sampling={**request.sampling, "prompt_logprobs": None},
-            output_token_ids=[t for seq in result.step.seqs for t in seq.token_ids],
-            kv_ticket=result.kv_ticket,
-            num_kv_bytes=result.num_kv_bytes,
-            generator_state=result.generator_state,
+            handoff=result.handoff,
             images=request.images,
         )
         del result
         self.num_kv_refs_held += 1
         stream = self.decode.generate.remote(decode_request)
-        # An object-store ticket's ref: Ray keeps the KV alive until the decode call ends.
+        # Refs in the ticket (the object store's KV, NIXL's agent info): Ray keeps them alive
+        # until the decode call ends.
         del decode_request
         try:
             async for step in stream:

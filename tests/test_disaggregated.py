@@ -1,14 +1,16 @@
 """Disaggregated serving on a local Ray cluster: ingress -> PDRouter -> prefill -> decode.
 
 Applications on the shared cluster (conftest.serve_cluster):
-- ``pd`` (/pd): the real default model, two prefill replicas and one decode replica;
+- ``pd`` (/pd): the real default model, two prefill replicas and one decode replica, the KV
+  through NIXL (the default transport: the decode replica reads the prefill blocks);
 - ``colo`` (/colo): the same model colocated (one LLMServer), the baseline;
-- ``pdfault`` (/pdfault): a tiny random-weight Llama, prefill replicas whose engine exits the
-  process on a marked request (once), for the failure cases;
-- ``pdgloo`` (/pdgloo): the tiny Llama, two prefill replicas and one decode replica, the KV
-  over the gloo transport (a short outbox timeout, so stranded payloads expire in the test).
+- ``pdfault`` (/pdfault): a tiny random-weight Llama over NIXL, prefill replicas whose engine
+  exits the process on a marked request (once), for the failure cases; a short hold timeout,
+  so blocks nobody reads are freed within the test;
+- ``pdobj`` (/pdobj): the tiny Llama, the KV through Ray's object store.
 References: the offline ``LLM`` on the same weights, and the colocated app. The KV fetch policy
-is checked for both transports on a DecodeServer outside Serve.
+is checked for both transports on a DecodeServer outside Serve. After each test every engine
+replica is back to its idle baseline: no request, no used or held KV block.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.ray
@@ -82,6 +83,7 @@ def pd_server(serve_cluster):
             max_model_len=MAX_MODEL_LEN,
             embedding_model=None,
             engine_args=engine_args,
+            disaggregation={"kv_hold_timeout_s": 5},
         ),
         prefill_options={"num_replicas": 2, **small},
         decode_options=small,
@@ -277,7 +279,8 @@ def test_kv_transfer_metrics_are_exported(pd_server):
     assert metric(text, "neuron:kv_transfer_seconds_count") > 0
     assert metric(text, "neuron:kv_transfer_bytes_total") > 0
     assert metric(text, "neuron:kv_exports_total") >= metric(text, "neuron:kv_imports_total") > 0
-    assert re.search(r'neuron:kv_transfer_bytes_total\{[^}]*transport="object_store"', text)
+    assert re.search(r'neuron:kv_transfer_bytes_total\{[^}]*transport="nixl"', text)
+    assert metric(text, "neuron:kv_transfer_failures_total") == 0
     wait_idle("pd", 2)
 
 
@@ -355,7 +358,7 @@ def fault_server(serve_cluster, tiny_llama_path, tmp_path_factory):
         }
     }
     app = build_openai_app(
-        tiny_pd_args(tiny_llama_path),
+        tiny_pd_args(tiny_llama_path, kv_hold_timeout_s=3),
         llm_engine_cls=DieOnceEngine,
         prefill_options={"num_replicas": 2, **env},
         decode_options={**small, "health_check_period_s": 1, "health_check_timeout_s": 5},
@@ -432,31 +435,87 @@ def test_decode_replica_killed_mid_stream_ends_with_error_and_done(fault_server)
     wait_idle("pdfault", 2)
 
 
-# -- the gloo transport ---------------------------------------------------------------------
+def _prefill_directly(app: str, request_id: str, prompt: list[int], max_tokens: int):  # noqa: ANN202
+    """A PrefillResult straight from a prefill replica (no router, so no decode call)."""
+    from deployments.protocol import GenerateRequest
+
+    handle = serve.get_deployment_handle("PrefillServer", app_name=app)
+    sampling = {"temperature": 0.0, "max_tokens": max_tokens, "detokenize": False}
+    return handle.prefill.remote(GenerateRequest(request_id, prompt, sampling)).result(timeout_s=60)
+
+
+def test_blocks_nobody_reads_are_freed_at_the_hold_timeout(fault_server):
+    """Prefills whose request never reaches a decode replica (the client left in between)
+    hold their blocks on the prefill replica only until kv_hold_timeout_s (3 s here)."""
+    prompt = list(range(5, 45))
+    results = [_prefill_directly("pdfault", f"strand-{i}", prompt, 5) for i in range(2)]
+    assert all(r.handoff.ticket.transport == "nixl" for r in results)
+    assert all(len(r.handoff.block_ids) == 3 and r.handoff.generator_state is None for r in results)
+    prefill = replica_stats("PrefillServer", "pdfault", 2).values()
+    assert sum(s["num_kv_handoffs_held"] for s in prefill) >= 1
+    assert sum(s["num_kv_blocks_held"] for s in prefill) >= 3
+    wait_idle("pdfault", 2, timeout_s=30)
+
+
+def test_prefill_replica_dying_after_the_export_is_recomputed(fault_server, tiny_offline):
+    """The KV's owner dies between the handoff and the decode replica's read: the decode
+    replica cannot load its agent or read its blocks, recomputes, and ends idle."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    from deployments.protocol import DecodeRequest
+
+    base, _ = fault_server
+    prompt = [5 + (3 * i) % 200 for i in range(50)]
+    result = _prefill_directly("pdfault", "orphan", prompt, 10)
+    name = ReplicaID(result.replica_id, DeploymentID("PrefillServer", "pdfault")).to_full_id_str()
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    decode = serve.get_deployment_handle("DecodeServer", app_name="pdfault").options(stream=True)
+    sampling = {"temperature": 0.0, "max_tokens": 10, "detokenize": False}
+    steps = list(decode.generate.remote(DecodeRequest("orphan", prompt, sampling, result.handoff)))
+    tokens = result.handoff.output_token_ids + [
+        t for s in steps for q in s.seqs for t in q.token_ids
+    ]
+    expected = tiny_offline.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=10)
+    )[0].outputs[0]
+    assert tokens == expected.token_ids
+    assert steps[0].kv_transfer.failed and steps[0].kv_transfer.transport == "nixl"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            replica_stats("PrefillServer", "pdfault", 2)
+            break
+        except Exception:  # noqa: BLE001 - the replacement is still starting
+            assert time.monotonic() < deadline, "the dead prefill replica was not replaced"
+            time.sleep(1)
+    wait_idle("pdfault", 2)
+
+
+# -- the object store transport ----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def gloo_server(serve_cluster, tiny_llama_path):
+def object_store_server(serve_cluster, tiny_llama_path):
     from app.builder import build_openai_app
 
     small = {"ray_actor_options": {"num_cpus": 0.05}}
     app = build_openai_app(
-        tiny_pd_args(tiny_llama_path, kv_transport="gloo", kv_outbox_timeout_s=3),
-        prefill_options={"num_replicas": 2, **small},
+        tiny_pd_args(tiny_llama_path, kv_transport="object_store"),
+        prefill_options=small,
         decode_options=small,
         ingress_options=small,
     )
-    serve.run(app, name="pdgloo", route_prefix="/pdgloo")
+    serve.run(app, name="pdobj", route_prefix="/pdobj")
     try:
         yield serve_cluster
     finally:
-        serve.delete("pdgloo")
+        serve.delete("pdobj")
 
 
-def test_gloo_concurrent_mixed_greedy_equals_offline(gloo_server, tiny_offline):
-    prompts = [[5 + (7 * i + j) % 300 for j in range(3 + 11 * i)] for i in range(8)]
+def test_object_store_concurrent_mixed_greedy_equals_offline(object_store_server, tiny_offline):
+    prompts = [[5 + (7 * i + j) % 300 for j in range(3 + 11 * i)] for i in range(6)]
     lengths = [4 + 3 * i for i in range(len(prompts))]
-    url = f"{gloo_server}/pdgloo/v1/completions"
+    url = f"{object_store_server}/pdobj/v1/completions"
 
     def ask(i: int) -> dict:
         body = {"model": "tiny", "prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0}
@@ -471,56 +530,10 @@ def test_gloo_concurrent_mixed_greedy_equals_offline(gloo_server, tiny_offline):
         out = tiny_offline.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
         assert reply["choices"][0]["text"] == out.text
         assert reply["usage"]["completion_tokens"] == len(out.token_ids)
-    text = httpx.get(f"{gloo_server}/pdgloo/metrics", timeout=30).text
-    assert re.search(r'neuron:kv_transfer_bytes_total\{[^}]*transport="gloo"', text)
+    text = httpx.get(f"{object_store_server}/pdobj/metrics", timeout=30).text
+    assert re.search(r'neuron:kv_transfer_bytes_total\{[^}]*transport="object_store"', text)
     assert metric(text, "neuron:kv_transfer_failures_total") == 0
-    prefill = replica_stats("PrefillServer", "pdgloo", 2).values()
-    assert all("num_kv_outbox" in s for s in prefill)  # the replicas run this checkout's code
-    wait_idle("pdgloo", 2)
-
-
-def test_gloo_client_disconnect_mid_decode_frees_every_replica(gloo_server):
-    body = {
-        "model": "tiny",
-        "prompt": [5, 6, 7],
-        "max_tokens": 800,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    ctx, _ = _open_stream(f"{gloo_server}/pdgloo/v1/completions", body, 4)
-    decode = replica_stats("DecodeServer", "pdgloo", 1)
-    assert next(iter(decode.values()))["num_running"] == 1
-    ctx.__exit__(None, None, None)
-    wait_idle("pdgloo", 2)
-
-
-def test_gloo_ticket_nobody_redeems_expires_and_a_ticket_is_redeemed_once(gloo_server):
-    """A prefill whose request never reaches decode (the client left in between) leaves its
-    payload in the outbox only until kv_outbox_timeout_s; the test process redeems another
-    ticket over gloo itself, once."""
-    from deployments.gloo_transport import GlooTransport
-    from deployments.kv_transport import KVTransportError
-    from deployments.protocol import GenerateRequest
-
-    handle = serve.get_deployment_handle("PrefillServer", app_name="pdgloo")
-    sampling = {"temperature": 0.0, "max_tokens": 5, "detokenize": False}
-    prompt = list(range(5, 45))
-    results = [
-        handle.prefill.remote(GenerateRequest(f"strand-{i}", prompt, sampling)).result(timeout_s=60)
-        for i in range(2)
-    ]
-    assert all(r.kv_ticket is not None and r.kv_ticket.transport == "gloo" for r in results)
-    assert sum(s["num_kv_outbox"] for s in replica_stats("PrefillServer", "pdgloo", 2).values())
-    receiver = GlooTransport(outbox_timeout_s=1, outbox_max_bytes=1 << 30)
-    try:
-        payload = asyncio.run(receiver.fetch(results[0].kv_ticket, 10.0))
-        assert payload.kv.shape == payload.metadata.shape
-        assert payload.metadata.num_tokens == len(prompt)
-        with pytest.raises(KVTransportError, match="has no KV transfer"):
-            asyncio.run(receiver.fetch(results[0].kv_ticket, 10.0))
-    finally:
-        receiver.close()
-    wait_idle("pdgloo", 2, timeout_s=30)  # the second payload expires after 3 s
+    wait_idle("pdobj", 1)
 
 
 # -- the KV fetch policy, on a DecodeServer outside Serve ------------------------------------
@@ -541,7 +554,12 @@ def _decode_server(model_path: Path, policy: str, timeout_s: float, transport: s
     from deployments.kv_transport import KVTransportConfig
 
     return DecodeServer.func_or_class(
-        {"model": str(model_path), "max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 64},
+        {
+            "model": str(model_path),
+            "max_model_len": MAX_MODEL_LEN,
+            "num_kv_blocks": 64,
+            "num_threads": 1,  # outside a replica: no CPU allotment to size from
+        },
         kv_fetch_timeout_s=timeout_s,
         on_kv_failure=policy,
         kv_transport=KVTransportConfig(transport),
@@ -558,68 +576,60 @@ async def _decode_all(server, request) -> tuple[list[int], list]:
 
 @pytest.fixture
 def broken_tickets(request, serve_cluster):
-    """Tickets of the transport under test that cannot be redeemed: (lost, late) pairs.
+    """Tickets of the transport under test that cannot be redeemed, as functions of the decode
+    replica's cache layout.
 
-    object_store: an object whose task raised, one that is not ready in time. gloo: a transfer
-    the prefill side does not have, a prefill replica that is gone (nothing listens), a peer
-    that accepts the connection and never answers.
+    object_store: an object whose task raised (its owner is gone), one not ready in time.
+    nixl: the prefill agent's info whose owner died before anyone loaded it, info not ready
+    in time, blocks that expire before they could be read.
     """
-    import socket
-
-    from deployments.gloo_transport import GlooTransport
-    from deployments.kv_transport import GlooTicket, ObjectStoreTicket
-    from neuron_runtime.kv_transfer import KVMetadata, KVPayload
+    from deployments.kv_transport import ObjectStoreTicket
+    from deployments.nixl_transport import NixlTicket
 
     if request.param == "object_store":
         yield (
             "object_store",
             [
-                ObjectStoreTicket(_lost_kv.remote()),
-                ObjectStoreTicket(_late_kv.remote(30)),
+                lambda layout: ObjectStoreTicket(_lost_kv.remote()),
+                lambda layout: ObjectStoreTicket(_late_kv.remote(30)),
             ],
         )
         return
-    metadata = KVMetadata("tiny", "h", "float32", 2, 2, 16, 5, ())
-    prefill = GlooTransport(outbox_timeout_s=30, outbox_max_bytes=1 << 30)
-    port = prefill.export(KVPayload(metadata, np.zeros(metadata.shape, np.float32))).port
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        free_port = sock.getsockname()[1]
-    silent = socket.create_server(("127.0.0.1", 0))
-    try:
-        yield (
-            "gloo",
-            [
-                GlooTicket("127.0.0.1", port, "no-such-transfer", metadata),
-                GlooTicket("127.0.0.1", free_port, "t", metadata),
-                GlooTicket("127.0.0.1", silent.getsockname()[1], "t", metadata),
-            ],
-        )
-    finally:
-        silent.close()
-        prefill.close()
+    soon = time.time() + 60
+    yield (
+        "nixl",
+        [
+            lambda layout: NixlTicket("gone", _lost_kv.remote(), soon),
+            lambda layout: NixlTicket("late", _late_kv.remote(30), soon),
+            lambda layout: NixlTicket("expired", _late_kv.remote(0), time.time()),
+        ],
+    )
 
 
-@pytest.mark.parametrize("broken_tickets", ["object_store", "gloo"], indirect=True)
+@pytest.mark.parametrize("broken_tickets", ["object_store", "nixl"], indirect=True)
 def test_kv_fetch_failure_recomputes_or_fails_by_policy(
     broken_tickets, tiny_llama_path, tiny_offline
 ):
     from deployments.decode import KVFetchError
     from deployments.protocol import DecodeRequest
+    from neuron_runtime.kv_transfer import KVHandoff, KVMetadata
 
     transport, tickets = broken_tickets
     prompt = [5, 6, 7, 8, 9]
     params = SamplingParams(temperature=0, max_tokens=10)
     expected = tiny_offline.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
     sampling = {"temperature": 0.0, "max_tokens": 10, "detokenize": False}
+    metadata = KVMetadata.describe(tiny_offline.engine.config.model, prompt)
 
-    def request(ticket) -> DecodeRequest:  # noqa: ANN001
-        return DecodeRequest("r", prompt, sampling, expected[:1], kv_ticket=ticket, num_kv_bytes=1)
+    def request(server, make_ticket) -> DecodeRequest:  # noqa: ANN001
+        layout = server.engine.engine.kv_layout
+        handoff = KVHandoff(metadata, expected[:1], None, "h", layout, (0,), make_ticket(layout))
+        return DecodeRequest("r", prompt, sampling, handoff)
 
     recompute = _decode_server(tiny_llama_path, "recompute", 0.5, transport)
-    for ticket in tickets:
+    for make_ticket in tickets:
         start = time.monotonic()
-        tokens, transfers = asyncio.run(_decode_all(recompute, request(ticket)))
+        tokens, transfers = asyncio.run(_decode_all(recompute, request(recompute, make_ticket)))
         assert tokens == expected[1:]  # the prompt was recomputed on the decode side
         assert transfers[0].failed and transfers[0].num_bytes == 0
         assert transfers[0].transport == transport
@@ -627,9 +637,10 @@ def test_kv_fetch_failure_recomputes_or_fails_by_policy(
         assert time.monotonic() - start < 30
     fail = _decode_server(tiny_llama_path, "fail", 0.5, transport)
     with pytest.raises(KVFetchError):
-        asyncio.run(_decode_all(fail, request(tickets[-1])))
+        asyncio.run(_decode_all(fail, request(fail, tickets[-1])))
     for server in (recompute, fail):
         stats = server.engine.stats()
         assert stats.num_running == stats.num_kv_blocks_used == stats.num_unfinished_outputs == 0
+        assert stats.num_kv_blocks_held == stats.num_kv_reads == 0
         server.engine.shutdown()
         server.transport.close()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from neuron_runtime import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
-from neuron_runtime.kv_transfer import KVHandoff, KVPayload, KVTransferError
+from neuron_runtime.kv_transfer import KVHandoff, KVMetadata, KVPayload, KVTransferError
 
 MAX_MODEL_LEN = 512
 PROMPTS = [
@@ -81,7 +81,15 @@ def reference(default_model_path) -> LLMEngine:
 
 
 def hand_off(prefill: LLMEngine, prompts: list, params: list[SamplingParams]) -> dict:
+    """The prefill role's outputs; each handoff's KV copied out of its held blocks (``kv``),
+    then the blocks released."""
     outs = run_all(prefill, batch("p", prompts, params, "export_kv", [True] * len(prompts)))
+    for out in outs.values():
+        handoff = out.kv_handoff
+        if handoff is not None:
+            assert prefill.stats().num_kv_blocks_held >= len(handoff.block_ids) > 0
+            handoff.kv = prefill.read_kv(handoff)
+            assert prefill.release_kv(handoff.handoff_id)
     assert_idle(prefill)
     return {i: outs[f"p{i}"] for i in range(len(prompts))}
 
@@ -97,11 +105,12 @@ def test_handoff_of_a_concurrent_batch_equals_one_engine(prefill, decode, refere
     expected = run_all(reference, batch("r", PROMPTS, params))
     pre = hand_off(prefill, PROMPTS, params)
     for i, out in pre.items():
-        assert out.outputs[0].finish_reason == "handoff"
+        assert out.finished and out.outputs[0].finish_reason is None  # it goes on elsewhere
         assert out.outputs[0].token_ids == expected[f"r{i}"].outputs[0].token_ids[:1]
-        meta = out.kv_handoff.payload.metadata
+        meta = out.kv_handoff.metadata
         assert meta.num_tokens == len(out.prompt_token_ids)
-        assert out.kv_handoff.payload.kv.shape == meta.shape
+        assert out.kv_handoff.kv.kv.shape == meta.shape
+        assert len(out.kv_handoff.block_ids) == -(-meta.num_tokens // 16)
     dec = continue_all(decode, PROMPTS, params, [pre[i].kv_handoff for i in pre])
     for i in range(len(PROMPTS)):
         ref = expected[f"r{i}"].outputs[0]
@@ -118,7 +127,7 @@ def test_seeded_sampling_continues_across_the_handoff(prefill, decode, reference
     prompts = PROMPTS[:3]
     expected = run_all(reference, batch("s", prompts, params))
     pre = hand_off(prefill, prompts, params)
-    assert all(pre[i].kv_handoff.generator_states[0] is not None for i in pre)
+    assert all(pre[i].kv_handoff.generator_state is not None for i in pre)
     dec = continue_all(decode, prompts, params, [pre[i].kv_handoff for i in pre])
     for i in range(len(prompts)):
         assert dec[i].outputs[0].token_ids == expected[f"s{i}"].outputs[0].token_ids
@@ -129,7 +138,7 @@ def test_recompute_without_payload_gives_the_same_tokens(prefill, decode, refere
     prompts = PROMPTS[2:4]
     expected = run_all(reference, batch("c", prompts, params))
     pre = hand_off(prefill, prompts, params)
-    lost = [dataclasses.replace(pre[i].kv_handoff, payload=None) for i in pre]
+    lost = [dataclasses.replace(pre[i].kv_handoff, kv=None) for i in pre]
     dec = continue_all(decode, prompts, params, lost)
     for i in range(len(prompts)):
         assert dec[i].outputs[0].token_ids == expected[f"c{i}"].outputs[0].token_ids
@@ -155,27 +164,27 @@ def test_request_ending_on_its_first_token_is_not_handed_off(prefill):
 
 
 def tampered(handoff: KVHandoff, **meta_changes) -> KVHandoff:
-    payload = handoff.payload
-    assert payload is not None
+    payload = handoff.kv
+    assert isinstance(payload, KVPayload)
     meta = dataclasses.replace(payload.metadata, **meta_changes)
-    return dataclasses.replace(handoff, payload=KVPayload(meta, payload.kv))
+    return dataclasses.replace(handoff, kv=KVPayload(meta, payload.kv))
 
 
 def test_inconsistent_payload_fails_only_that_request(prefill, decode):
     prompt = PROMPTS[1]
     first = hand_off(prefill, [prompt], [greedy(8)])[0]
     handoff, ids = first.kv_handoff, first.prompt_token_ids
-    payload = handoff.payload
+    payload = handoff.kv
     bad = {
         "config_hash": tampered(handoff, config_hash="0" * 16),
         "num_kv_heads": tampered(handoff, num_kv_heads=4),
         "num_tokens": tampered(handoff, num_tokens=payload.metadata.num_tokens - 1),
         "other prompt": tampered(handoff, block_hashes=("ab" * 16,)),
         "array shape": dataclasses.replace(
-            handoff, payload=KVPayload(payload.metadata, payload.kv[:, :, :, :-1])
+            handoff, kv=KVPayload(payload.metadata, payload.kv[:, :, :, :-1])
         ),
         "array dtype": dataclasses.replace(
-            handoff, payload=KVPayload(payload.metadata, payload.kv.astype(np.float64))
+            handoff, kv=KVPayload(payload.metadata, payload.kv.astype(np.float64))
         ),
     }
     for name, broken in bad.items():
@@ -194,9 +203,26 @@ def test_handoff_rejects_n_above_one_and_empty_tokens(prefill, decode):
     with pytest.raises(ValueError, match="n > 1"):
         prefill.add_request("n2", PROMPTS[0], SamplingParams(n=2, max_tokens=4), export_kv=True)
     with pytest.raises(ValueError, match="tokens the prefill side produced"):
-        decode.add_request("empty", PROMPTS[0], greedy(4), handoff=KVHandoff(None, [[]]))
+        metadata = KVMetadata("m", "h", "float32", 1, 1, 1, 1, ())
+        decode.add_request("empty", PROMPTS[0], greedy(4), handoff=KVHandoff(metadata, []))
     assert_idle(prefill)
     assert_idle(decode)
+
+
+def test_handed_off_blocks_stay_held_until_released_or_aborted(prefill):
+    """The prefill side holds a handed-off prompt's blocks outside its running batch; a
+    release (or an abort naming the handoff id) frees them, and a second one is a no-op."""
+    outs = run_all(prefill, batch("h", PROMPTS[:2], [greedy(8)] * 2, "export_kv", [True] * 2))
+    handoffs = [out.kv_handoff for out in outs.values()]
+    stats = prefill.stats()
+    assert stats.num_running == stats.num_waiting == stats.num_unfinished_outputs == 0
+    held = sum(len(h.block_ids) for h in handoffs)
+    assert stats.num_kv_blocks_held == stats.num_kv_blocks_used == held
+    assert prefill.release_kv(handoffs[0].handoff_id)
+    assert not prefill.release_kv(handoffs[0].handoff_id)
+    assert prefill.abort_request(handoffs[1].handoff_id) is None
+    assert prefill.stats().num_kv_blocks_held == 0
+    assert_idle(prefill)
 
 
 def test_abort_of_an_imported_request_frees_its_blocks(prefill, decode):

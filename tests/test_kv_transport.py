@@ -1,165 +1,406 @@
-"""The gloo KV transport without Serve: a prefill-side and a decode-side transport in one
-process, talking over 127.0.0.1 as two replicas would."""
+"""The NIXL KV transport without Serve: a prefill-side and a decode-side transport (two NIXL
+agents over UCX) attached to two engines in one process, as two replicas would be.
+
+The reference is one engine generating the whole request; the decode engine's cache blocks
+are also compared with the prefill engine's, byte for byte.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import socket
-import subprocess
-import threading
+import dataclasses
+import multiprocessing
 import time
-from datetime import timedelta
 
 import numpy as np
 import pytest
-from torch.distributed import TCPStore
+import torch
 
-from deployments.gloo_transport import GlooTransport, Outbox, pair_group
-from deployments.kv_transport import (
-    GlooTicket,
-    KVTransportConfig,
-    KVTransportError,
-    make_transport,
-)
-from neuron_runtime.kv_transfer import KVMetadata, KVPayload
+from deployments.kv_transport import KVTransportConfig, KVTransportError, make_transport
+from deployments.nixl_transport import NixlAgentInfo, NixlBlockRead, NixlTicket, NixlTransport
+from neuron_runtime import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
+from neuron_runtime.kv_layout import KVLayout, read_descriptors
+from neuron_runtime.kv_transfer import KVHandoff, KVPayload
+
+MAX_MODEL_LEN = 512
 
 
-def payload(num_tokens: int = 40, seed: int = 0, layers: int = 3, heads: int = 2, dim: int = 8):
-    metadata = KVMetadata(
-        model_id="m",
-        config_hash="h",
-        dtype="float32",
-        num_layers=layers,
-        num_kv_heads=heads,
-        head_dim=dim,
-        num_tokens=num_tokens,
-        block_hashes=(),
-    )
-    kv = np.random.default_rng(seed).standard_normal(metadata.shape, dtype=np.float32)
-    return KVPayload(metadata, kv)
+class Published:
+    """An awaitable holding an agent's info: what ``ray.put``'s ref is to a real replica."""
+
+    def __init__(self, info: NixlAgentInfo) -> None:
+        self.info = info
+
+    def __await__(self):  # noqa: ANN204
+        return self._get().__await__()
+
+    async def _get(self) -> NixlAgentInfo:
+        return self.info
+
+
+class Missing:
+    """The ref of an agent whose replica died before anyone loaded it."""
+
+    def __await__(self):  # noqa: ANN204
+        return self._get().__await__()
+
+    async def _get(self) -> NixlAgentInfo:
+        raise RuntimeError("the owner of this object died")
+
+
+def engine(path, **overrides) -> LLMEngine:  # noqa: ANN001
+    args = dict(model=str(path), max_model_len=MAX_MODEL_LEN, num_kv_blocks=96)
+    args.update(overrides)
+    return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+def run_all(eng: LLMEngine, requests: list[tuple[str, list[int], SamplingParams, dict]]) -> dict:
+    for request_id, prompt, params, kwargs in requests:
+        eng.add_request(
+            request_id, {"prompt_token_ids": prompt}, params, RequestOutputKind.FINAL_ONLY, **kwargs
+        )
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+def prompts(count: int, base: int = 3, step: int = 37) -> list[list[int]]:
+    return [[5 + (7 * i + j) % 300 for j in range(base + step * i)] for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_path) -> LLMEngine:
+    return engine(tiny_llama_path)
 
 
 @pytest.fixture
-def pair():
-    prefill = GlooTransport(outbox_timeout_s=30, outbox_max_bytes=1 << 30)
-    decode = GlooTransport(outbox_timeout_s=30, outbox_max_bytes=1 << 30)
-    try:
-        yield prefill, decode
-    finally:
-        prefill.close()
-        decode.close()
+def pair(tiny_llama_path, request):
+    """(prefill engine, its transport, decode engine, its transport); the decode engine's
+    block size is ``request.param`` (16 unless parametrized)."""
+    block_size = getattr(request, "param", 16)
+    prefill = engine(tiny_llama_path, num_kv_blocks=64)
+    decode = engine(tiny_llama_path, block_size=block_size, num_kv_blocks=192)
+    sender = NixlTransport(hold_timeout_s=5.0, publish=Published)
+    sender.attach(prefill, prefill.release_kv)
+    receiver = NixlTransport(publish=Published)
+    receiver.attach(decode, decode.abort_request)
+    yield prefill, sender, decode, receiver
+    sender.close()
+    receiver.close()
 
 
-def test_concurrent_fetches_return_the_exported_arrays(pair):
-    prefill, decode = pair
-    sent = [payload(num_tokens=16 + i, seed=i) for i in range(6)]
-    tickets = [prefill.export(p) for p in sent]
-    assert prefill.num_outbox() == 6
-
-    async def fetch_all() -> list[KVPayload]:
-        return await asyncio.gather(*(decode.fetch(t, 10.0) for t in tickets))
-
-    got = asyncio.run(fetch_all())
-    for a, b in zip(sent, got, strict=True):
-        assert b.metadata == a.metadata
-        np.testing.assert_array_equal(b.kv, a.kv)
-    assert prefill.num_outbox() == 0
-    # Each transfer's rendezvous keys are deleted once it is done.
-    store = TCPStore("127.0.0.1", tickets[0].port, None, False, timedelta(seconds=5))
-    deadline = time.monotonic() + 5
-    while store.list_keys() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert store.list_keys() == []
+def assert_idle(eng: LLMEngine) -> None:
+    stats = eng.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_unfinished_outputs) == (0, 0, 0)
+    assert stats.num_kv_blocks_used == stats.num_kv_blocks_held == stats.num_kv_reads == 0
 
 
-def test_a_large_payload_arrives_whole(pair):
-    prefill, decode = pair
-    sent = payload(num_tokens=1024, layers=30, heads=3, dim=64)  # SmolLM2's KV shape: 47 MB
-    got = asyncio.run(decode.fetch(prefill.export(sent), 30.0))
-    np.testing.assert_array_equal(got.kv, sent.kv)
+async def wait_released(prefill: LLMEngine, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while prefill.stats().num_kv_blocks_held:
+        assert time.monotonic() < deadline, prefill.stats()
+        await asyncio.sleep(0.01)
 
 
-def test_a_ticket_is_redeemed_once_and_a_missing_transfer_raises_at_once(pair):
-    prefill, decode = pair
-    ticket = prefill.export(payload())
-    asyncio.run(decode.fetch(ticket, 10.0))
-    start = time.monotonic()
-    with pytest.raises(KVTransportError, match="has no KV transfer"):
-        asyncio.run(decode.fetch(ticket, 10.0))
-    assert time.monotonic() - start < 5
+async def hand_over(pair, token_lists, params, policy_fail: bool = False) -> tuple[dict, list]:  # noqa: ANN001
+    """Prefill -> export -> receive -> decode for each prompt; the decode outputs and what
+    each receive returned."""
+    prefill, sender, decode, receiver = pair
+    pre = run_all(
+        prefill,
+        [
+            (f"p{i}", p, sp, {"export_kv": True})
+            for i, (p, sp) in enumerate(zip(token_lists, params, strict=True))
+        ],
+    )
+    requests, received = [], []
+    for i, (tokens, sp) in enumerate(zip(token_lists, params, strict=True)):
+        out = pre[f"p{i}"]
+        assert out.finished and out.outputs[0].finish_reason is None
+        handoff = sender.export(out.kv_handoff)
+        kv = await receiver.receive(handoff, 5.0)
+        if isinstance(kv, NixlBlockRead):
+            kv.recompute_on_failure = not policy_fail
+        received.append(kv)
+        requests.append((f"d{i}", tokens, sp, {"handoff": dataclasses.replace(handoff, kv=kv)}))
+    for request_id, tokens, sp, kwargs in requests:
+        decode.add_request(
+            request_id, {"prompt_token_ids": tokens}, sp, RequestOutputKind.FINAL_ONLY, **kwargs
+        )
+    final = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                final[out.request_id] = out
+        await asyncio.sleep(0)  # lets the prefill side see its notifications
+    return final, received
 
 
-def test_a_dead_or_silent_peer_raises_within_the_timeout(pair):
-    _, decode = pair
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        free_port = sock.getsockname()[1]
-    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
-    try:
-        for port in (free_port, silent.getsockname()[1]):
-            ticket = GlooTicket("127.0.0.1", port, "t", payload().metadata)
-            start = time.monotonic()
-            with pytest.raises((KVTransportError, TimeoutError)):
-                asyncio.run(decode.fetch(ticket, 1.0))
-            assert time.monotonic() - start < 2.0
-    finally:
-        silent.close()
+def test_block_reads_of_a_concurrent_batch_equal_one_engine(pair, reference):
+    token_lists = prompts(5)
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i) for i in range(4)]
+    params.append(SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True))
+    want = run_all(
+        reference,
+        [(f"r{i}", p, sp, {}) for i, (p, sp) in enumerate(zip(token_lists, params, strict=True))],
+    )
+    prefill, _, decode, _ = pair
+
+    async def go() -> tuple[dict, list]:
+        final, received = await hand_over(pair, token_lists, params)
+        await wait_released(prefill)  # each READ's notification freed its blocks
+        return final, received
+
+    final, received = asyncio.run(go())
+    for i in range(len(token_lists)):
+        assert isinstance(received[i], NixlBlockRead)
+        assert received[i].done_at is not None and received[i].error is None
+        assert final[f"d{i}"].outputs[0].token_ids == want[f"r{i}"].outputs[0].token_ids, i
+    assert decode.stats().num_kv_imports == len(token_lists)
+    assert_idle(prefill)
+    assert_idle(decode)
 
 
-def test_outbox_expires_and_drops_the_oldest_when_full():
-    one = payload().nbytes
-    outbox = Outbox(timeout_s=0.2, max_bytes=2 * one)
-    first, second, third = (outbox.put(payload()) for _ in range(3))
-    assert len(outbox) == 2 and outbox.nbytes == 2 * one and outbox.take(first) is None
-    assert outbox.take(second) is not None and outbox.nbytes == one
-    time.sleep(0.3)
-    assert len(outbox) == 0 and outbox.nbytes == 0 and outbox.take(third) is None
-    big = outbox.put(payload(num_tokens=400))  # larger than the bound: kept alone
-    assert len(outbox) == 1 and outbox.take(big) is not None
+def test_block_read_copies_the_prefill_blocks_exactly(pair):
+    """The decode blocks hold the prefill blocks' bytes (every layer, K and V, every head)."""
+    prefill, sender, decode, receiver = pair
+    tokens = prompts(1, base=70)[0]  # 5 blocks of 16
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    handoff = run_all(prefill, [("p", tokens, sp, {"export_kv": True})])["p"].kv_handoff
+
+    async def go() -> list[int]:
+        read = await receiver.receive(sender.export(handoff), 5.0)
+        decode.kv.hold("test", [7, 8, 20, 3, 4])  # scattered destination blocks
+        read.start([7, 8, 20, 3, 4])
+        while not read.poll():
+            await asyncio.sleep(0.001)
+        await wait_released(prefill)
+        return [7, 8, 20, 3, 4]
+
+    dst = asyncio.run(go())
+    src = list(handoff.block_ids)
+    for (pk, pv), (dk, dv) in zip(prefill.runner.kv_caches, decode.runner.kv_caches, strict=True):
+        assert torch.equal(pk[:, src], dk[:, dst]) and torch.equal(pv[:, src], dv[:, dst])
+    decode.kv.release("test")
+    assert_idle(prefill)
+    assert_idle(decode)
 
 
-def test_expired_payloads_are_freed_without_any_call():
-    prefill = GlooTransport(outbox_timeout_s=0.3, outbox_max_bytes=1 << 30)
-    try:
-        prefill.export(payload())
-        time.sleep(1.0)
-        assert prefill.outbox.nbytes == 0  # reading nbytes expires nothing itself
-    finally:
-        prefill.close()
+@pytest.mark.parametrize("pair", [8], indirect=True)
+def test_unequal_block_sizes_fall_back_to_tokens(pair, reference):
+    token_lists = prompts(3)
+    params = [SamplingParams(temperature=0, max_tokens=10)] * 3
+    want = run_all(
+        reference,
+        [(f"r{i}", p, sp, {}) for i, (p, sp) in enumerate(zip(token_lists, params, strict=True))],
+    )
+    prefill, _, decode, _ = pair
+
+    async def go() -> tuple[dict, list]:
+        out = await hand_over(pair, token_lists, params)
+        await wait_released(prefill)
+        return out
+
+    final, received = asyncio.run(go())
+    for i in range(3):
+        assert isinstance(received[i], KVPayload)  # read into staging, imported as tokens
+        assert final[f"d{i}"].outputs[0].token_ids == want[f"r{i}"].outputs[0].token_ids
+    assert_idle(prefill)
+    assert_idle(decode)
 
 
-def test_listeners_are_on_loopback_only(pair):
-    """The store's listener, and gloo's while a pair group waits for its peer."""
-    prefill, decode = pair
-    ticket = prefill.export(payload())
-    asyncio.run(decode.fetch(ticket, 10.0))
-    store = TCPStore("127.0.0.1", ticket.port, None, False, timedelta(seconds=5))
-    waiting = threading.Thread(target=_pair_group_alone, args=(store,))
-    waiting.start()
-    time.sleep(0.5)
-    try:
-        ss = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=False)
-    finally:
-        waiting.join()
-    if ss.returncode != 0:
-        pytest.skip("ss is not available")
-    ours = [line for line in ss.stdout.splitlines() if f"pid={os.getpid()}," in line]
-    assert len(ours) >= 2, ss.stdout
-    for line in ours:
-        local = line.split()[3]
-        assert local.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")), line
+def test_unread_blocks_are_freed_at_the_hold_timeout(tiny_llama_path):
+    prefill = engine(tiny_llama_path, num_kv_blocks=64)
+    sender = NixlTransport(hold_timeout_s=0.5, publish=Published)
+    sender.attach(prefill, prefill.release_kv)
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    outs = run_all(
+        prefill, [(f"p{i}", p, sp, {"export_kv": True}) for i, p in enumerate(prompts(3))]
+    )
+
+    async def go() -> None:
+        for out in outs.values():
+            sender.export(out.kv_handoff)
+        assert sender.num_held() == 3 and prefill.stats().num_kv_blocks_held > 0
+        await wait_released(prefill, timeout_s=5.0)
+
+    asyncio.run(go())
+    assert sender.num_held() == 0
+    assert_idle(prefill)
+    sender.close()
 
 
-def _pair_group_alone(store: TCPStore) -> None:
-    # Holds gloo's listener open until the rendezvous times out: no rank 1 ever comes.
-    with contextlib.suppress(RuntimeError):
-        pair_group(store, "alone", 0, timeout_s=1.5)
+def _fail_or_recompute(pair, reference, broken, policy_fail: bool) -> None:  # noqa: ANN001
+    """Decode from ``broken(handoff)`` handoffs: recompute gives the reference tokens, fail
+    ends the request with an error; both sides end idle."""
+    prefill, sender, decode, receiver = pair
+    tokens = prompts(2, base=40)
+    params = [SamplingParams(temperature=0, max_tokens=8)] * 2
+    want = run_all(
+        reference,
+        [(f"r{i}", p, sp, {}) for i, (p, sp) in enumerate(zip(tokens, params, strict=True))],
+    )
+    pre = run_all(
+        prefill,
+        [
+            (f"p{i}", p, sp, {"export_kv": True})
+            for i, (p, sp) in enumerate(zip(tokens, params, strict=True))
+        ],
+    )
+
+    async def go() -> dict:
+        requests = []
+        for i in range(2):
+            handoff = broken(sender.export(pre[f"p{i}"].kv_handoff))
+            try:
+                kv = await receiver.receive(handoff, 1.0)
+            except (KVTransportError, RuntimeError, TimeoutError):
+                kv = None  # the decode replica's policy (deployments/decode.py) takes over
+            if isinstance(kv, NixlBlockRead):
+                kv.recompute_on_failure = not policy_fail
+            requests.append(
+                (f"d{i}", tokens[i], params[i], {"handoff": dataclasses.replace(handoff, kv=kv)})
+            )
+        for request_id, t, sp, kwargs in requests:
+            decode.add_request(
+                request_id, {"prompt_token_ids": t}, sp, RequestOutputKind.FINAL_ONLY, **kwargs
+            )
+        final = {}
+        while decode.has_unfinished_requests():
+            for out in decode.step():
+                if out.finished:
+                    final[out.request_id] = out
+            await asyncio.sleep(0)
+        await wait_released(prefill)
+        return final
+
+    final = asyncio.run(go())
+    for i in range(2):
+        out = final[f"d{i}"]
+        if policy_fail:
+            assert out.error and "could not be read" in out.error
+        else:
+            assert out.outputs[0].token_ids == want[f"r{i}"].outputs[0].token_ids
+    assert_idle(prefill)
+    assert_idle(decode)
+
+
+@pytest.mark.parametrize("policy_fail", [False, True])
+def test_a_read_that_cannot_complete_recomputes_or_fails(pair, reference, policy_fail):
+    """Blocks the prefill agent does not have (a freed registration, as after the replica
+    restarted): NIXL refuses the read, the engine recomputes the prompt in place or ends
+    the request, per policy, and the prefill side is told to free its blocks."""
+    prefill = pair[0]
+
+    def broken(handoff: KVHandoff) -> KVHandoff:
+        far = prefill.kv_layout.num_blocks * 4  # past every registered region
+        return dataclasses.replace(handoff, block_ids=tuple(far + b for b in handoff.block_ids))
+
+    _fail_or_recompute(pair, reference, broken, policy_fail)
+
+
+def test_an_expired_or_lost_ticket_is_refused_before_the_engine(pair, reference):
+    sender = pair[1]
+
+    def expired(handoff: KVHandoff) -> KVHandoff:
+        return dataclasses.replace(
+            handoff, ticket=dataclasses.replace(handoff.ticket, expires_at=time.time())
+        )
+
+    def lost(handoff: KVHandoff) -> KVHandoff:
+        return dataclasses.replace(
+            handoff, ticket=NixlTicket("gone-agent", Missing(), handoff.ticket.expires_at)
+        )
+
+    _fail_or_recompute(pair, reference, expired, policy_fail=False)
+    _fail_or_recompute(pair, reference, lost, policy_fail=False)
+    assert sender.num_held() == 0
+
+
+def _dead_prefill_agent(queue) -> None:  # noqa: ANN001
+    from nixl._api import nixl_agent
+
+    agent = nixl_agent("doomed")
+    cache = torch.zeros(8 << 20, dtype=torch.uint8)
+    agent.register_memory([cache])
+    queue.put((agent.get_agent_metadata(), cache.data_ptr()))
+    time.sleep(3600)
+
+
+def test_a_dead_prefill_process_fails_the_read_within_its_deadline(pair):
+    """A prefill process that dies after the decode side loaded its agent: the READ errors or
+    runs into its deadline, never hangs."""
+    _, _, decode, receiver = pair
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_dead_prefill_agent, args=(queue,), daemon=True)
+    process.start()
+    metadata, address = queue.get(timeout=60)
+    layout = dataclasses.replace(decode.kv_layout, num_blocks=1)
+    region = layout.num_kv_heads * layout.block_bytes
+    info = NixlAgentInfo(
+        "doomed", metadata, tuple(address + r * region for r in range(layout.num_regions)), layout
+    )
+    assert region * layout.num_regions <= 8 << 20
+    handoff = KVHandoff(
+        metadata=_metadata(decode),
+        output_token_ids=[5],
+        handoff_id="h",
+        layout=layout,
+        block_ids=(0,),
+        ticket=NixlTicket("doomed", Published(info), time.time() + 30),
+    )
+
+    async def go() -> tuple[float, str | None]:
+        read = await receiver.receive(handoff, 3.0)
+        process.kill()
+        process.join()
+        decode.kv.hold("dead", [0])
+        start = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - KVTransferError, from an error or the deadline
+            read.start([0])
+            while not read.poll():
+                await asyncio.sleep(0.001)
+        return time.monotonic() - start, read.error
+
+    seconds, error = asyncio.run(go())
+    assert error is not None and seconds < 5.0
+    decode.kv.release("dead")
+    assert_idle(decode)
+
+
+def _metadata(eng: LLMEngine):  # noqa: ANN202
+    from neuron_runtime.kv_transfer import KVMetadata
+
+    return KVMetadata.describe(eng.config.model, [5])
+
+
+def test_read_descriptors_merge_runs_on_both_sides():
+    layout = KVLayout(num_layers=1, num_kv_heads=2, block_size=4, head_dim=2, num_blocks=10)
+    bb = layout.block_bytes  # 32
+    src, dst = read_descriptors(layout, (1000, 5000), 20, [3, 4, 5, 9], (100, 700), [0, 1, 2, 3])
+    # Blocks 3-5 -> 0-2 merge; 9 -> 3 does not (the source skips). Region, head, run order.
+    assert src[:, 1].tolist() == [3 * bb, bb] * 4
+    assert src[:2, 0].tolist() == [1000 + 3 * bb, 1000 + 9 * bb]
+    assert src[2:4, 0].tolist() == [1000 + (20 + 3) * bb, 1000 + (20 + 9) * bb]
+    assert dst[:2, 0].tolist() == [100, 100 + 3 * bb]
+    assert dst[2:4, 0].tolist() == [100 + 10 * bb, 100 + 13 * bb]
+    assert dst[4, 0] == 700 and np.all(src[:, 2] == 0)
 
 
 def test_config_names_the_transport():
-    assert make_transport(KVTransportConfig()).name == "object_store"
-    assert isinstance(make_transport(KVTransportConfig("gloo")), GlooTransport)
-    with pytest.raises(ValueError, match="outbox_max_bytes"):
-        KVTransportConfig("gloo", outbox_max_bytes=0)
+    assert KVTransportConfig().name == "nixl"
+    assert make_transport(KVTransportConfig("object_store")).name == "object_store"
+    assert isinstance(make_transport(KVTransportConfig()), NixlTransport)
+    with pytest.raises(ValueError, match="unknown KV transport"):
+        KVTransportConfig("gloo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="hold_timeout_s"):
+        KVTransportConfig(hold_timeout_s=0)
+
+
+def test_an_unavailable_backend_is_refused_at_attach(tiny_llama_path):
+    with pytest.raises(ValueError, match="NIXL backend 'NO_SUCH'"):
+        NixlTransport("NO_SUCH", publish=Published).attach(engine(tiny_llama_path), print)

@@ -234,6 +234,9 @@ def _run(engine: LLMEngine, requests: list[tuple[str, list[int], dict]], max_tok
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
+            if out.kv_handoff is not None:  # prefill role: copy the KV out, free its blocks
+                out.kv_handoff.kv = engine.read_kv(out.kv_handoff)
+                engine.release_kv(out.kv_handoff.handoff_id)
     assert_idle(engine)
     return final
 
@@ -293,10 +296,10 @@ def test_kv_handoff_with_images_equals_colocated(llm, hf, prefill_engine, decode
     for i, (text, images) in enumerate(prompts):
         ids, features = _mm_request(decode_engine, text, images, encoder)
         handoff = pre[f"p{i}"].kv_handoff
-        assert handoff.payload.metadata.image_hashes
+        assert handoff.metadata.image_hashes
         decode_requests.append((f"d{i}", ids, {"handoff": handoff, "mm_inputs": features}))
         # A lost transfer: the decode side recomputes the prompt, images included.
-        lost = dataclasses.replace(handoff, payload=None)
+        lost = dataclasses.replace(handoff, kv=None)
         recompute_requests.append((f"r{i}", ids, {"handoff": lost, "mm_inputs": features}))
     decoded = _run(decode_engine, decode_requests)
     recomputed = _run(decode_engine, recompute_requests)
