@@ -70,7 +70,7 @@ def output_constraint(request: SamplingFields) -> Constraint | None:
             return Constraint(StructuredOutputsParams(**fields), source)
         value = getattr(request, source)
         kind = source.removeprefix("guided_")
-        extra = {}
+        extra: dict[str, Any] = {}
         if request.guided_whitespace_pattern is not None:
             extra["whitespace_pattern"] = request.guided_whitespace_pattern
         return Constraint(StructuredOutputsParams(**{kind: value}, **extra), source)

@@ -68,7 +68,7 @@ def tool_setup(
     names = [t.function.name for t in request.tools]
     if len(set(names)) != len(names):
         raise OpenAIError(400, "tool function names must be unique", param="tools")
-    mode = "auto" if choice is None else choice
+    mode: str | NamedToolChoice = "auto" if choice is None else choice
     named = None
     if isinstance(mode, NamedToolChoice):
         named = mode.function.name

@@ -34,7 +34,7 @@ class EngineReplica:
     def __init__(
         self,
         engine_args: dict[str, Any],
-        engine_cls: type | None = None,
+        engine_cls: type[AsyncEngine] | None = None,
         stall_timeout_s: float = 30.0,
     ) -> None:
         # Several replicas, the ingress and Ray share the CPUs: oversubscribed thread pools
@@ -73,7 +73,7 @@ class EngineReplica:
         }
 
 
-async def image_inputs(images: list[ImagePart]) -> dict[str, list[MultiModalInput]]:
+async def image_inputs(images: list[ImagePart]) -> dict[str, Any]:
     """The engine's keyword arguments for a request's images (none for a text prompt).
 
     Features computed by a vision encoder replica are read from the object store (zero-copy

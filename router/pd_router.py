@@ -20,13 +20,13 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from typing import Any, cast
 
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.serve.exceptions import RayServeException
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from deployments.protocol import (
     DecodeRequest,
@@ -107,7 +107,7 @@ class PDRouter:
 
     async def _pipeline(
         self, request: GenerateRequest, index: int = 0
-    ) -> AsyncIterator[StepOutput]:
+    ) -> AsyncGenerator[StepOutput, None]:
         result = await self._prefill(request)
         self._note(result.step.stats)
         yield _reindexed(result.step, index)
@@ -123,7 +123,8 @@ class PDRouter:
         )
         del result
         self.num_kv_refs_held += 1
-        stream = self.decode.generate.remote(decode_request)
+        # A stream=True handle: remote() returns a DeploymentResponseGenerator.
+        stream = cast(DeploymentResponseGenerator, self.decode.generate.remote(decode_request))
         # Refs in the ticket (the object store's KV, NIXL's agent info): Ray keeps them alive
         # until the decode call ends.
         del decode_request
@@ -170,7 +171,7 @@ class PDRouter:
 
     async def check_health(self) -> None:
         """Healthy when a prefill and a decode replica (and an encoder) answer their probe."""
-        probes = [
+        probes: list[Awaitable[Any]] = [
             self.prefill.check_health.remote(),
             self.decode.options(stream=False).check_health.remote(),
         ]
@@ -179,7 +180,9 @@ class PDRouter:
         await asyncio.gather(*probes)
 
 
-async def _merged(children: list[AsyncIterator[StepOutput]]) -> AsyncIterator[StepOutput]:
+async def _merged(
+    children: Sequence[AsyncIterator[StepOutput]],
+) -> AsyncGenerator[StepOutput, None]:
     async with contextlib.aclosing(merge(children)) as merged:
         async for _, step in merged:
             yield step

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 _END = object()
 
 
-async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+async def merge(
+    iterators: Sequence[AsyncIterator[Any]],
+) -> AsyncGenerator[tuple[int, Any], None]:
     """Items of several async iterators as they come, tagged with the iterator's index.
 
     An exception in any iterator ends the merge with that exception; leaving early cancels
