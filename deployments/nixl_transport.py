@@ -115,7 +115,10 @@ class NixlTransport(KVTransport):
         config = nixl_agent_config(
             backends=[self.backend], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         )
-        agent = nixl_agent(name, config)
+        try:
+            agent = nixl_agent(name, config)
+        except Exception as exc:  # noqa: BLE001 - a plugin that fails to load (no libfabric)
+            raise ValueError(f"NIXL backend {self.backend!r} does not start here: {exc}") from exc
         if self.backend not in agent.backends:
             raise ValueError(
                 f"NIXL backend {self.backend!r} is not available here (plugins: "

@@ -83,7 +83,6 @@ def pd_server(serve_cluster):
             max_model_len=MAX_MODEL_LEN,
             embedding_model=None,
             engine_args=engine_args,
-            disaggregation={"kv_hold_timeout_s": 5},
         ),
         prefill_options={"num_replicas": 2, **small},
         decode_options=small,
