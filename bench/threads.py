@@ -2,19 +2,19 @@
 
 One engine (default model, fp32, greedy, ignore_eos, no prefix caching); between runs the
 CPU kernels' pool is resized as ``num_threads`` sizes it, torch's intra-op pool kept at one
-thread as the CPU backend keeps it beside the kernels (``--torch-threads same`` gives torch
-the same count, to measure what that costs). Thread counts alternate on every repeat (1, 2,
-1, 2, ...) so background load on a shared box hits them alike; the script reports medians,
-the ratios to the first thread count, and checks that every thread count produced the same
-tokens. For each batch size B:
+thread as the CPU backend keeps it beside the kernels. A thread count written ``2t`` gives
+torch's pool the same count too, to measure what that costs. Settings alternate on every
+repeat (1, 2, 1, 2, ...) so background load on a shared box hits them alike; the script
+reports medians, the ratios to the first setting, and checks that every setting produced the
+same tokens. For each batch size B:
 
 - TPOT: (time for B requests of N output tokens - time for B requests of 1 token) / (N - 1),
   the time of one decode step of the whole batch
 - tok/s: B * N output tokens / the time of the N-token run (prefill included)
 - cores: CPU seconds of this process / wall seconds over the N-token run
 
-    python bench/threads.py [--threads 1,2] [--batches 1,8,32] [--tokens 64] [--repeats 3]
-        [--torch-threads 1|same] [--json bench/results/threads.json]
+    python bench/threads.py [--threads 1,2[,2t]] [--batches 1,8,32] [--tokens 64]
+        [--repeats 3] [--json bench/results/threads.json]
 """
 
 from __future__ import annotations
@@ -60,12 +60,13 @@ def uptime() -> str:
         return f"load average: {os.getloadavg()}"
 
 
-def set_threads(n: int, torch_threads: str) -> None:
-    """What ``num_threads=n`` sets in the CPU backend (or torch's pool at n as well)."""
+def set_threads(setting: str) -> None:
+    """What ``num_threads=n`` sets in the CPU backend for "n"; "nt": torch's pool at n too."""
+    n = int(setting.removesuffix("t"))
     fused = kernels()
-    if fused is not None:
-        fused.set_num_threads(n)
-    torch.set_num_threads(n if torch_threads == "same" else 1)
+    assert fused is not None
+    fused.set_num_threads(n)
+    torch.set_num_threads(n if setting.endswith("t") else 1)
 
 
 def run(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, float, list]:
@@ -80,19 +81,13 @@ def run(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--threads", default="1,2", help="kernel threads; 2t: torch's too")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--torch-threads",
-        choices=["1", "same"],
-        default="1",
-        help="torch's intra-op pool: 1 thread (as the CPU backend sets it) or the kernels' count",
-    )
     parser.add_argument("--json", default="bench/results/threads.json")
     args = parser.parse_args()
-    thread_counts = [int(t) for t in args.threads.split(",")]
+    settings = args.threads.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     if kernels() is None:
         raise SystemExit("the CPU kernels are off or did not build: nothing to scale")
@@ -103,19 +98,19 @@ def main() -> None:
         max_model_len=2048,
         enable_prefix_caching=False,
         max_num_seqs=max(batches),
-        num_threads=thread_counts[0],
+        num_threads=int(settings[0].removesuffix("t")),
     )
     encode = llm.get_tokenizer().encode
     prompts = {b: [encode(PROMPT.format(i=i)) for i in range(b)] for b in batches}
     for b in batches:  # first use of each batch shape is not timed
         run(llm, prompts[b], 2)
 
-    runs: dict[int, dict[int, list[dict]]] = {n: {b: [] for b in batches} for n in thread_counts}
+    runs: dict[str, dict[int, list[dict]]] = {n: {b: [] for b in batches} for n in settings}
     reference: dict[int, list] = {}
     identical = True
     for _ in range(args.repeats):
-        for n in thread_counts:
-            set_threads(n, args.torch_threads)
+        for n in settings:
+            set_threads(n)
             for b in batches:
                 one, _, _ = run(llm, prompts[b], 1)
                 wall, cpu, tokens = run(llm, prompts[b], args.tokens)
@@ -125,8 +120,8 @@ def main() -> None:
                 )
     uptime_after = uptime()
 
-    summary: dict[int, dict[int, dict[str, float]]] = {}
-    for n in thread_counts:
+    summary: dict[str, dict[int, dict[str, float]]] = {}
+    for n in settings:
         summary[n] = {}
         for b in batches:
             rs = runs[n][b]
@@ -138,24 +133,24 @@ def main() -> None:
                 "cores": statistics.median(r["cpu_s"] / r["n_s"] for r in rs),
             }
 
-    base = thread_counts[0]
+    base = settings[0]
     print(f"CPU: {cpu_model()}; before: {uptime_before}")
     print(
         f"model={args.model} tokens={args.tokens} repeats={args.repeats} "
-        f"torch threads={args.torch_threads}; medians, ratios to {base} thread(s)"
+        f"medians, ratios to threads={base} (Nt: torch's pool at N threads too, else 1)"
     )
     print(f"{'batch':>5} {'threads':>7} {'TPOT ms':>9} {'tok/s':>8} {'cores':>6} {'speedup':>8}")
     for b in batches:
-        for n in thread_counts:
+        for n in settings:
             row = summary[n][b]
             speedup = summary[base][b]["tpot_s"] / row["tpot_s"]
             print(
                 f"{b:>5} {n:>7} {row['tpot_s'] * 1e3:>9.1f} {row['tok_s']:>8.1f} "
                 f"{row['cores']:>6.2f} {speedup:>7.2f}x"
             )
-    print("speedup = TPOT at the first thread count / TPOT here")
+    print("speedup = TPOT at the first setting / TPOT here")
     print(f"after: {uptime_after}")
-    print(f"greedy tokens identical across thread counts: {identical}")
+    print(f"greedy tokens identical across settings: {identical}")
 
     result = {
         "model": args.model,
@@ -164,16 +159,15 @@ def main() -> None:
         "uptime_after": uptime_after,
         "tokens": args.tokens,
         "repeats": args.repeats,
-        "torch_threads": args.torch_threads,
         "identical_tokens": identical,
-        "summary": {str(n): {str(b): v for b, v in s.items()} for n, s in summary.items()},
-        "runs": {str(n): {str(b): v for b, v in r.items()} for n, r in runs.items()},
+        "summary": {n: {str(b): v for b, v in s.items()} for n, s in summary.items()},
+        "runs": {n: {str(b): v for b, v in r.items()} for n, r in runs.items()},
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
     if not identical:
-        raise SystemExit("greedy tokens differ between thread counts")
+        raise SystemExit("greedy tokens differ between settings")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import subprocess
 import threading
 import time
 
@@ -139,6 +141,54 @@ def test_callers_on_several_python_threads_at_once(k):
     for t in threads:
         t.join()
     assert results == [True] * 150
+
+
+# Many small jobs back to back on a pool of 3 (more threads than this machine's cores, so
+# workers get preempted mid-job): every task of every job runs once, with its own job's context.
+POOL_STRESS = r"""
+#include "cpu_kernels.c"
+#include <stdio.h>
+struct job { int64_t tasks; _Atomic int *hits; };
+static _Atomic long stray;
+static void count(const void *ctx, int64_t begin, int64_t end) {
+    const struct job *j = ctx;
+    for (int64_t t = begin; t < end; t++) {
+        if (t < j->tasks) atomic_fetch_add(&j->hits[t], 1);
+        else atomic_fetch_add(&stray, 1);
+    }
+}
+int main(void) {
+    set_num_threads(3);
+    const int64_t until = now_ns() + 2000000000LL;
+    long jobs = 0, wrong = 0;
+    srand(1);
+    while (now_ns() < until) {
+        _Atomic int hits[64] = {0};
+        const struct job j = {1 + rand() % 40, hits};
+        parallel_for(count, &j, j.tasks, 1 + rand() % 3);
+        for (int64_t t = 0; t < j.tasks; t++) wrong += hits[t] != 1;
+        jobs++;
+    }
+    printf("%ld jobs, %ld tasks not run once, %ld out of range\n", jobs, wrong, (long)stray);
+    return wrong != 0 || stray != 0;
+}
+"""
+
+
+def test_pool_runs_every_task_once_under_preemption(tmp_path):
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    assert compiler is not None
+    (tmp_path / "stress.c").write_text(POOL_STRESS)
+    binary = tmp_path / "stress"
+    subprocess.run(
+        [compiler, *cpu_kernels.COMPILE_FLAGS, f"-I{cpu_kernels.SOURCE.parent}"]
+        + [str(tmp_path / "stress.c"), "-o", str(binary), "-lm"],
+        check=True,
+        timeout=cpu_kernels.BUILD_TIMEOUT_S,
+    )
+    # A lost task would leave the caller waiting for it: the timeout turns that into a failure.
+    done = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_idle_pool_sleeps(k):

@@ -40,13 +40,14 @@
 typedef void (*task_fn)(const void *ctx, int64_t begin, int64_t end);
 
 #define MAX_THREADS 256
+#define CURSOR_CLOSED 0xffffffffu /* a task index past any job's */
 #define SPIN_NS 100000
 
 static struct {
     pthread_mutex_t lock;          /* one job at a time; set_num_threads */
     _Atomic int threads;           /* workers + the caller */
     pthread_t workers[MAX_THREADS];
-    task_fn fn;                    /* the current job, written before its generation */
+    task_fn fn;                    /* the current job (cursor closed while written) */
     const void *ctx;
     int64_t tasks, grain;
     _Atomic uint64_t cursor;       /* generation << 32 | next task */
@@ -96,12 +97,13 @@ static void work_on(uint32_t gen) {
     uint64_t c = atomic_load(&pool.cursor);
     for (;;) {
         if ((uint32_t)(c >> 32) != gen) return;
-        /* Read before the exchange: the fields cannot change while the cursor still holds
-         * this job with tasks left, and a successful exchange proves it did throughout. */
+        /* Read before the exchange: a caller closes the cursor before it writes the next
+         * job's fields, so a successful exchange proves they were this job's throughout. */
         const int64_t next = (int64_t)(uint32_t)c;
-        const int64_t tasks = pool.tasks, grain = pool.grain;
-        const task_fn fn = pool.fn;
-        const void *ctx = pool.ctx;
+        const int64_t tasks = __atomic_load_n(&pool.tasks, __ATOMIC_RELAXED);
+        const int64_t grain = __atomic_load_n(&pool.grain, __ATOMIC_RELAXED);
+        const task_fn fn = __atomic_load_n(&pool.fn, __ATOMIC_RELAXED);
+        const void *ctx = __atomic_load_n(&pool.ctx, __ATOMIC_RELAXED);
         if (next >= tasks) return;
         if (!atomic_compare_exchange_weak(&pool.cursor, &c, c + (uint64_t)grain)) continue;
         const int64_t end = next + grain < tasks ? next + grain : tasks;
@@ -135,7 +137,8 @@ static void *worker_main(void *arg) {
 static void parallel_for(task_fn fn, const void *ctx, int64_t tasks, int64_t grain) {
     if (tasks <= 0) return;
     if (grain < 1) grain = 1;
-    if (pool.threads == 1 || grain >= tasks || pthread_mutex_trylock(&pool.lock) != 0) {
+    if (pool.threads == 1 || grain >= tasks || tasks >= INT32_MAX ||
+        pthread_mutex_trylock(&pool.lock) != 0) {
         fn(ctx, 0, tasks);
         return;
     }
@@ -145,10 +148,13 @@ static void parallel_for(task_fn fn, const void *ctx, int64_t tasks, int64_t gra
         return;
     }
     const uint32_t gen = atomic_load(&pool.generation) + 1;
-    pool.fn = fn;
-    pool.ctx = ctx;
-    pool.tasks = tasks;
-    pool.grain = grain;
+    /* Closed first: a worker still holding the last job's cursor value must fail its
+     * exchange rather than take a task of this job with that job's fields. */
+    atomic_store(&pool.cursor, (uint64_t)gen << 32 | CURSOR_CLOSED);
+    __atomic_store_n(&pool.fn, fn, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.ctx, ctx, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.tasks, tasks, __ATOMIC_RELAXED);
+    __atomic_store_n(&pool.grain, grain, __ATOMIC_RELAXED);
     atomic_store(&pool.done, 0);
     atomic_store(&pool.cursor, (uint64_t)gen << 32);
     atomic_store(&pool.generation, gen);
