@@ -13,7 +13,12 @@ Then the cost of its parts at batch 32 (mask fill by llguidance, bitmask applied
 logits), and compile time: the first compile of each schema (its own cache key) and a
 cache hit.
 
-    python bench/structured.py [--repeats 3] [--tokens 64] [--json bench/results/structured.json]
+``--compare-xgrammar`` (needs ``pip install xgrammar``, not a dependency) compares the two
+grammar engines on their own: compile time of each schema and the time to fill one token
+mask at every position of a valid answer, on the same tokenizer.
+
+    python bench/structured.py [--repeats 3] [--tokens 64] [--compare-xgrammar]
+        [--json bench/results/structured.json]
 """
 
 from __future__ import annotations
@@ -172,6 +177,73 @@ def compile_times(llm: LLM) -> dict:
     return {name: 1e3 * seconds for name, seconds in out.items()}
 
 
+# A valid compact answer per COMPILE_SCHEMAS entry, walked token by token for mask times.
+ANSWERS = {
+    "flat object": {"name": "Alice Smith", "age": 42},
+    "nested + arrays + enums": {"user": {"id": 7, "tags": ["a", "c"], "score": 12.25}, "ok": True},
+    "40 properties": {f"field_{i}": [i, None, "x"][i % 3] for i in range(40)},
+    "enum of 5,000": "value number 4321",
+}
+
+
+def compare_engines(llm: LLM) -> dict:
+    """llguidance vs xgrammar: compile ms and median / max mask-fill us per token."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy
+    import xgrammar
+
+    hf = llm.get_tokenizer().hf_tokenizer
+    vocab = llm.engine.config.model.vocab_size
+    out: dict = {"llguidance": {}, "xgrammar": {}}
+    start = time.perf_counter()
+    ll_tok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
+    out["llguidance"]["token table ms"] = 1e3 * (time.perf_counter() - start)
+    start = time.perf_counter()
+    xg_info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab)
+    xg = xgrammar.GrammarCompiler(xg_info, max_threads=1, cache_enabled=False)
+    out["xgrammar"]["token table ms"] = 1e3 * (time.perf_counter() - start)
+    for name, schema in COMPILE_SCHEMAS.items():
+        ids = hf.encode(json.dumps(ANSWERS[name], separators=(",", ":")), add_special_tokens=False)
+        start = time.perf_counter()
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False}
+        )
+        matcher = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
+        compile_s = time.perf_counter() - start
+        mask = llguidance.numpy.allocate_token_bitmask(1, vocab)
+        fills = []
+        for token in ids:
+            start = time.perf_counter()
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+            fills.append(time.perf_counter() - start)
+            assert matcher.consume_token(token), matcher.get_error()
+        out["llguidance"][name] = _engine_row(compile_s, fills)
+        start = time.perf_counter()
+        compiled = xg.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(",", ":")
+        )
+        xmatcher = xgrammar.GrammarMatcher(compiled)
+        compile_s = time.perf_counter() - start
+        xmask = xgrammar.allocate_token_bitmask(1, vocab)
+        fills = []
+        for token in ids:
+            start = time.perf_counter()
+            xmatcher.fill_next_token_bitmask(xmask, 0)
+            fills.append(time.perf_counter() - start)
+            assert xmatcher.accept_token(token)
+        out["xgrammar"][name] = _engine_row(compile_s, fills)
+    return out
+
+
+def _engine_row(compile_s: float, fills: list[float]) -> dict:
+    return {
+        "compile_ms": 1e3 * compile_s,
+        "mask_us_median": 1e6 * statistics.median(fills),
+        "mask_us_max": 1e6 * max(fills),
+    }
+
+
 def machine() -> dict:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next(
@@ -190,6 +262,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compare-xgrammar", action="store_true")
     parser.add_argument("--json", default="bench/results/structured.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -201,6 +274,8 @@ def main() -> None:
     )
     result = {"machine_start": machine(), "threads": args.threads, "tokens": args.tokens}
     result["compile_ms"] = compile_times(llm)
+    if args.compare_xgrammar:
+        result["engines"] = compare_engines(llm)
     result["decode"] = [decode_overhead(llm, b, args.tokens, args.repeats) for b in (1, 32)]
     result["parts"] = [parts_at_batch(llm, b) for b in (1, 32)]
     result["machine_end"] = machine()
@@ -225,6 +300,18 @@ def main() -> None:
     print("|---|---|")
     for name, ms in result["compile_ms"].items():
         print(f"| {name} | {ms:.1f} |")
+    if args.compare_xgrammar:
+        print("\n| schema | engine | compile ms | mask us, median | mask us, max |")
+        print("|---|---|---|---|---|")
+        for name in COMPILE_SCHEMAS:
+            for engine in ("llguidance", "xgrammar"):
+                row = result["engines"][engine][name]
+                print(
+                    f"| {name} | {engine} | {row['compile_ms']:.1f} | "
+                    f"{row['mask_us_median']:.1f} | {row['mask_us_max']:.1f} |"
+                )
+        for engine in ("llguidance", "xgrammar"):
+            print(f"token table, {engine}: {result['engines'][engine]['token table ms']:.0f} ms")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
 

@@ -144,8 +144,12 @@ def gen_value(rng: random.Random, depth: int) -> dict:
         low = rng.randint(-100, 100)
         return {"type": "integer", "minimum": low, "maximum": low + rng.randint(1, 1000)}
     if kind == "number":
+        # multipleOf bounds the digits too: this small model at temperature 1.0 can write a
+        # fraction of free precision until max_tokens.
         low = rng.choice([-10.5, 0, 0.25, 3])
-        return {"type": "number", "minimum": low, "maximum": low + rng.choice([1, 50, 999.5])}
+        high = low + rng.choice([1, 50, 999.5])
+        step = rng.choice([0.25, 0.5, 0.1])
+        return {"type": "number", "minimum": low, "maximum": high, "multipleOf": step}
     if kind == "boolean":
         return {"type": "boolean"}
     if kind == "enum":
@@ -266,8 +270,14 @@ def test_regex_choice_grammar_and_json_object_through_every_field_name(client):
             assert reply.choices[0].finish_reason == "stop" and check(text), (extra, text)
     reply = client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "Give me a short JSON object about a dog."}],
-        temperature=0,
+        messages=[
+            {
+                "role": "user",
+                "content": "Reply with a JSON object with the name and the age of a dog.",
+            }
+        ],
+        temperature=1.0,
+        seed=2,
         max_tokens=200,
         response_format={"type": "json_object"},
     )

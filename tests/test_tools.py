@@ -233,3 +233,40 @@ def test_conversation_for_templates_without_tools_round_trips_in_hermes_form():
     assert content is None and names_and_args(calls) == [("get_weather", {"city": "Paris"})]
     assert out[3] == {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>"}
     assert all("tool_calls" not in m and "tool_call_id" not in m for m in out)
+
+
+def test_templates_that_read_tools_receive_them_and_calls_with_object_arguments(
+    default_model_path,
+):
+    from app.protocol import ChatMessage
+    from app.tools import template_message
+    from neuron_runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(default_model_path)
+    # A template of the Qwen kind: tools listed up front, calls written from their objects.
+    tokenizer.hf_tokenizer.chat_template = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}"
+        "{% endfor %}"
+    )
+    messages = [
+        ChatMessage(role="user", content="Add 1 and 2."),
+        ChatMessage.model_validate(
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": "c",
+                        "type": "function",
+                        "function": {"name": "add", "arguments": '{"a": 1}'},
+                    }
+                ],
+            }
+        ),
+        ChatMessage(role="tool", content="3", tool_call_id="c"),
+    ]
+    conversation = [template_message(m, m.content or "") for m in messages]
+    ids = tokenizer.encode_chat(conversation, [WEATHER, ADD])
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text == '[get_weather][add]<user>Add 1 and 2.<assistant>{"a": 1}<tool>3'
