@@ -107,16 +107,21 @@ class LLM:
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them."""
+        """Applies the model's chat template to one conversation or a list of them;
+        ``tools`` (OpenAI function tools) go to the template."""
         self._require_task("generate", "chat")
         conversations = cast(
             list[list[Message]],
             messages if messages and isinstance(messages[0], list) else [messages],
         )
-        return self.generate([self._chat_prompt(conv) for conv in conversations], sampling_params)
+        prompts = [self._chat_prompt(conv, tools) for conv in conversations]
+        return self.generate(prompts, sampling_params)
 
-    def _chat_prompt(self, conversation: list[Message]) -> dict:
+    def _chat_prompt(
+        self, conversation: list[Message], tools: list[dict[str, Any]] | None = None
+    ) -> dict:
         """Token ids of the rendered chat; image content parts become image placeholders
         (``{"type": "image"}`` for the template) and their images ``multi_modal_data``."""
         images: list[Any] = []
@@ -133,7 +138,7 @@ class LLM:
                     parts.append(part)
                 message = {**message, "content": parts}
             messages.append(message)
-        prompt: dict = {"prompt_token_ids": self.engine.tokenizer.encode_chat(messages)}
+        prompt: dict = {"prompt_token_ids": self.engine.tokenizer.encode_chat(messages, tools)}
         if images:
             prompt["multi_modal_data"] = {"image": images}
         return prompt
