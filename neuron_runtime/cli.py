@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from neuron_runtime.async_engine import AsyncEngine
+from neuron_runtime.config import GRAPH_MODES
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.sampling_params import SamplingParams
 
@@ -16,7 +17,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--model", default="smollm2-135m-instruct", help="alias, HF folder or .gguf"
     )
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "xla", "neuron"])
+    parser.add_argument(
+        "--graph-mode",
+        default=None,
+        choices=list(GRAPH_MODES),
+        help="eager, or graphs compiled per shape bucket (default: the device's own)",
+    )
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -32,6 +39,7 @@ def _engine(args: argparse.Namespace) -> AsyncEngine:
             max_model_len=args.max_model_len,
             device=args.device,
             num_threads=args.num_threads,
+            graph_mode=args.graph_mode,
         )
     )
 

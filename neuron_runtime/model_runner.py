@@ -6,6 +6,7 @@ to buckets in one place.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -44,6 +45,14 @@ class ModelRunnerOutput:
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # req_id -> per predicted prompt token, {token id: logprob} (the actual token + top-N)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+CPU = torch.device("cpu")
+
+
+def no_grad(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """Inference mode, or plain no-grad on XLA devices (whose tensors refuse inference mode)."""
+    return torch.no_grad() if device.type == "xla" else torch.inference_mode()
 
 
 @dataclass
@@ -106,11 +115,12 @@ class ModelRunner:
             for _ in range(m.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+        # Seeded draws come from torch generators, which XLA devices do not have: theirs live
+        # on the CPU (the same draws as the CPU engine's).
+        self.generator_device = self.device if self.device.type in ("cpu", "cuda") else CPU
         self.static: StaticRunner | None = None
         if config.graph.static:
-            self.static = StaticRunner(
-                config, self.model, self.kv_caches, self.num_blocks, self.device
-            )
+            self.static = StaticRunner(config, self.model, self.kv_caches, self.num_blocks, backend)
             self.static.warm_up()
 
     def release(self, req_id: str) -> None:
@@ -158,16 +168,30 @@ class ModelRunner:
         return None if gen is None else gen.get_state().numpy().copy()
 
     def restore_generator(self, req_id: str, seed: int, state: np.ndarray) -> None:
-        gen = torch.Generator(device=self.device).manual_seed(seed)
+        gen = torch.Generator(device=self.generator_device).manual_seed(seed)
         gen.set_state(torch.from_numpy(np.array(state, dtype=np.uint8)))
         self.generators[req_id] = gen
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: scheduled slices -> inputs -> forward -> sampled tokens."""
+        with no_grad(self.device):
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: scheduled slices -> inputs -> forward -> sampled tokens.
+
+        The static runner runs forward and sampling as graphs per bucket; the eager path runs
+        ``forward`` then ``sample_tokens``. Both end in ``outputs``.
+        """
         step = self.prepare_inputs(out)
+        if self.static is not None:
+            return self.outputs(step, *self._forward_and_sample_static(step))
         hidden, logits = self.forward(step)
-        return self.sample(step, hidden, logits)
+        last_hidden = hidden[step.sample_rows]  # [S, H]
+        # NaN anywhere in a row's hidden state poisons all its logits; checking H values per
+        # row instead of V is 85x less work.
+        nan_rows = torch.isnan(last_hidden).any(dim=-1)
+        tokens = self.sample_tokens(step.sample_seqs, logits) if step.sample_seqs else None
+        return self.outputs(step, hidden, logits, tokens, nan_rows)
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """Orders the slices (decodes first, shortest context first: the torch ops batch them
@@ -203,9 +227,11 @@ class ModelRunner:
         """The model over the step's tokens: hidden states [T, hidden] and the logits of the
         sampling slices' last tokens [len(sample_seqs), vocab]."""
         ids = torch.tensor(step.input_ids, device=self.device)
-        embeds = self._embeds_with_images(ids, step.image_rows) if step.image_rows else None
-        if self.static is not None:
-            return self._forward_static(step, ids, embeds)
+        embeds = None
+        if step.image_rows:
+            embeds = self.model.embed_input_ids(ids)
+            rows, features = self._image_features(step.image_rows)
+            embeds[rows] = features.to(self.device)
         meta = self.ops.attention_metadata(
             step.slots, step.decodes, step.prefills, self.block_size, self.device
         )
@@ -213,70 +239,80 @@ class ModelRunner:
         hidden = self.model(ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
         return hidden, self.model.compute_logits(hidden[step.sample_rows])
 
-    def _forward_static(
-        self, step: StepInputs, ids: torch.Tensor, embeds: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_and_sample_static(
+        self, step: StepInputs
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         assert self.static is not None
         num_decode = len(step.decodes.context_lens)
         decodes = [(s.token_ids[0], s.start_pos, s.block_table) for s in step.seqs[:num_decode]]
         prefills = [(s.token_ids, s.start_pos, s.block_table) for s in step.seqs[num_decode:]]
-        if embeds is None:
-            embeds = self.model.embed_input_ids(ids)
-        hidden, slice_logits = self.static.forward(decodes, prefills, embeds)
-        sampled = [i for i, seq in enumerate(step.seqs) if seq.sample]
-        return hidden, slice_logits[sampled]
+        images = self._image_features(step.image_rows) if step.image_rows else None
+        sampling = None
+        if step.sample_seqs:
+            batch = self._sampling_batch(step.sample_seqs, CPU)
+            sampling = sampling_inputs(
+                step.sample_seqs, batch, self.config.model.vocab_size, self.generator_device
+            )
+        sampled_slices = [i for i, seq in enumerate(step.seqs) if seq.sample]
+        return self.static.execute(
+            decodes, prefills, images, sampling, sampled_slices, bool(step.prompt_rows)
+        )
 
-    def sample(
-        self, step: StepInputs, hidden: torch.Tensor, logits: torch.Tensor
+    def outputs(
+        self,
+        step: StepInputs,
+        hidden: torch.Tensor | None,  # [T, hidden]; needed only for prompt logprobs
+        logits: torch.Tensor,  # [S, V]: the sampled slices' raw logits
+        tokens: torch.Tensor | None,  # [S] long
+        nan_rows: torch.Tensor,  # [S] bool
     ) -> ModelRunnerOutput:
-        """Prompt logprobs, then one token per sampling slice, its logprobs, NaN checks."""
+        """Prompt logprobs, the sampled tokens and their logprobs, NaN rows as failures."""
         result = ModelRunnerOutput()
         for seq, row in step.prompt_rows:
+            assert hidden is not None
             result.prompt_logprobs[seq.req_id] = self._prompt_logprobs(seq, hidden, row)
         seqs = step.sample_seqs
         if not seqs:
             return result
-        last_hidden = hidden[step.sample_rows]  # [S, H]
-        token_tensor = self._sample_tokens(seqs, logits)
-        tokens = token_tensor.tolist()
+        assert tokens is not None
         num_top = max((s.params.logprobs or 0) for s in seqs)
         if any(s.params.logprobs is not None for s in seqs):
-            result.logprobs = self._logprobs(seqs, logits, token_tensor, num_top)
-        # NaN anywhere in a row's hidden state poisons all its logits; checking H values per
-        # row instead of V is 85x less work.
-        bad = torch.isnan(last_hidden).any(dim=-1).tolist()
-        for seq, token, is_bad in zip(seqs, tokens, bad, strict=True):
+            result.logprobs = self._logprobs(seqs, logits, tokens.to(logits.device), num_top)
+        for seq, token, is_bad in zip(seqs, tokens.tolist(), nan_rows.tolist(), strict=True):
             if is_bad:
                 result.failed[seq.req_id] = "the model produced NaN logits"
             else:
                 result.sampled[seq.req_id] = token
         return result
 
-    def _embeds_with_images(
-        self, ids: torch.Tensor, image_rows: list[tuple[ScheduledSeq, int]]
-    ) -> torch.Tensor:
-        """Token embeddings [T, hidden] with image placeholder rows replaced by features.
+    def _image_features(
+        self, image_rows: list[tuple[ScheduledSeq, int]]
+    ) -> tuple[list[int], torch.Tensor]:
+        """The step's image placeholder rows and their features [rows, hidden] (on the CPU).
 
         A slice covers positions [start_pos, start_pos + n): it takes the part of each image
         inside it (a chunked prefill or a prefix-cache hit may split an image).
         """
-        embeds = self.model.embed_input_ids(ids)
+        rows: list[int] = []
+        parts: list[np.ndarray] = []
         for seq, q_start in image_rows:
             end = seq.start_pos + len(seq.token_ids)
             for m in seq.mm_inputs:
                 assert m.features is not None, "the engine encodes images at admission"
                 lo, hi = max(m.offset, seq.start_pos), min(m.offset + m.length, end)
-                rows = m.features.embeds[lo - m.offset : hi - m.offset]  # [hi - lo, hidden]
+                if hi <= lo:
+                    continue
+                parts.append(m.features.embeds[lo - m.offset : hi - m.offset])  # [hi - lo, H]
                 first = q_start + lo - seq.start_pos
-                embeds[first : first + hi - lo] = torch.tensor(rows, device=self.device)
-        return embeds
+                rows.extend(range(first, first + hi - lo))
+        hidden = self.config.model.text_config["hidden_size"]
+        if not parts:
+            return rows, torch.empty(0, hidden)
+        return rows, torch.from_numpy(np.concatenate(parts)).float()
 
-    def _sample_tokens(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
-        """One token per row of ``logits`` [S, V]: [S] long."""
-        batch = self._sampling_batch(seqs)
-        if self.static is not None:
-            vocab = logits.shape[-1]
-            return self.static.sample(logits, sampling_inputs(seqs, batch, vocab, self.device))
+    def sample_tokens(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``logits`` [S, V]: [S] long (the eager sampler)."""
+        batch = self._sampling_batch(seqs, self.device)
         return sample(self._process_logits(seqs, logits), batch, self.ops.argmax)
 
     def _process_logits(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
@@ -341,7 +377,7 @@ class ModelRunner:
             out[seq.req_id] = entry
         return out
 
-    def _sampling_batch(self, seqs: list[ScheduledSeq]) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[ScheduledSeq], dev: torch.device) -> SamplingBatch:
         generators: list[torch.Generator | None] = []
         for seq in seqs:
             seed = seq.params.seed
@@ -350,10 +386,9 @@ class ModelRunner:
                 continue
             gen = self.generators.get(seq.req_id)
             if gen is None:
-                gen = torch.Generator(device=self.device).manual_seed(seed)
+                gen = torch.Generator(device=self.generator_device).manual_seed(seed)
                 self.generators[seq.req_id] = gen
             generators.append(gen)
-        dev = self.device
         return SamplingBatch(
             temperature=torch.tensor([s.params.temperature for s in seqs], device=dev),
             top_k=torch.tensor([s.params.top_k for s in seqs], device=dev),

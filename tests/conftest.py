@@ -163,6 +163,8 @@ def serve_cluster():
         address="local",
         include_dashboard=False,
         num_cpus=4,
+        # Declared only: Ray pins actors that ask for it (NEURON_RT_VISIBLE_CORES), no hardware.
+        resources={"neuron_cores": 4},
         _node_ip_address="127.0.0.1",
         log_to_driver=False,
     )

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from neuron_runtime.backends.static.buckets import Bucket, Buckets, fit
+from neuron_runtime.backends.base import Backend
+from neuron_runtime.backends.static.buckets import Bucket, Buckets
 from neuron_runtime.backends.static.compilers import Compiler, make_compiler, set_cache_dir
 from neuron_runtime.backends.static.ops import StaticAttentionMetadata
 from neuron_runtime.backends.static.sampler import (
@@ -34,6 +35,8 @@ from neuron_runtime.backends.static.sampler import (
     greedy_tokens,
     penalized_tokens,
     random_tokens,
+    sampler_args,
+    select_rows,
 )
 from neuron_runtime.config import EngineConfig
 from neuron_runtime.model_store import cache_dir
@@ -72,20 +75,23 @@ class StaticRunner:
         model: Any,
         kv_caches: list[KVCache],
         null_block: int,
-        device: torch.device,
+        backend: Backend,
     ) -> None:
         self.config = config
         self.model = model
         self.kv_caches = kv_caches
-        self.device = device
+        self.device = backend.device
         self.block_size = config.cache.block_size
         self.null_block = null_block  # a reserved block padding writes into
         self.buckets = Buckets.from_config(config)
         self.vocab_size = config.model.vocab_size
+        self.hidden_size = int(config.model.text_config["hidden_size"])
         self.max_top_k = config.graph.max_top_k
         self.on_recompile = config.graph.on_recompile
         self.cache_path = graph_cache_dir(config, self.buckets)
         set_cache_dir(config.graph.graph_mode, self.cache_path)
+        # Lazy devices: the caches' zero fill must not become part of the first graph.
+        backend.synchronize()
         warm_up_list = self.buckets.all()
         self.compiler: Compiler = make_compiler(config.graph.graph_mode, len(warm_up_list))
         if config.graph.scope == "layer":
@@ -103,6 +109,8 @@ class StaticRunner:
                 functools.partial(penalized_tokens, max_top_k=self.max_top_k)
             ),
         }
+        # Prefill slices sample one row each: size 1 is always among the sampler shapes.
+        self.sampler_sizes = sorted({1, *self.buckets.seqs})
         self.compile_seconds: dict[str, float] = {}  # graph name -> warm-up seconds
         self.num_compiles_after_warm_up = 0
         self._warm_compiles: int | None = None
@@ -112,27 +120,38 @@ class StaticRunner:
         self,
         kv_caches: list[KVCache],
         input_ids: torch.Tensor,  # [S * Q]
-        embeds: torch.Tensor,  # [S * Q, hidden]
+        image_embeds: torch.Tensor,  # [S * Q, hidden]: image features where image_mask
+        image_mask: torch.Tensor,  # [S * Q] bool
         positions: torch.Tensor,  # [S * Q]
         slot_mapping: torch.Tensor,  # [S * Q]
         block_tables: torch.Tensor,  # [S, B]
         last_rows: torch.Tensor,  # [S]: each row's last real token
         num_seqs: int,
         num_tokens: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Hidden states [S * Q, hidden], each row's last-token logits [S, V] and whether
+        that token's hidden state holds a NaN [S]."""
         meta = StaticAttentionMetadata(
             slot_mapping, positions.view(num_seqs, num_tokens), block_tables, num_seqs, num_tokens
         )
+        embeds = self.model.embed_input_ids(input_ids)
+        embeds = torch.where(image_mask.unsqueeze(-1), image_embeds, embeds)
         hidden = self.model(input_ids, positions, kv_caches, meta, inputs_embeds=embeds)
-        return hidden, self.model.compute_logits(hidden[last_rows])
+        last = hidden[last_rows]
+        return hidden, self.model.compute_logits(last), torch.isnan(last).any(dim=-1)
 
     # Warm-up and the recompile guard -----------------------------------------------------
-    @torch.inference_mode()  # as the steps run: grad mode is part of every graph's guards
     def warm_up(self) -> None:
         """Compiles every bucket's graphs (a progress bar on stderr), then arms the guard."""
+        from neuron_runtime.model_runner import no_grad
+
+        with no_grad(self.device):  # as the steps run: grad mode is part of the guards
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         start = time.perf_counter()
         model_buckets = self.buckets.all()
-        sampler_shapes = [(s, kind) for s in self.buckets.seqs for kind in SamplerKind]
+        sampler_shapes = [(n, kind) for n in self.sampler_sizes for kind in SamplerKind]
         bar = tqdm(
             total=len(model_buckets) + len(sampler_shapes),
             desc=f"compiling graphs ({self.config.graph.graph_mode})",
@@ -141,16 +160,17 @@ class StaticRunner:
         )
         for bucket in model_buckets:
             t = time.perf_counter()
-            self._run_model(bucket, self._padding(bucket))
+            self._run_model(bucket, self._rows(bucket, [], [], [], None))
             self.compile_seconds[str(bucket)] = time.perf_counter() - t
             bar.update()
         for num_seqs, kind in sampler_shapes:
             t = time.perf_counter()
-            logits = torch.zeros(num_seqs, self.vocab_size, device=self.device)
-            self._run_sampler(logits, self._dummy_sampling(num_seqs, kind))
-            self.compile_seconds[f"sampler {kind.name.lower()} {num_seqs}"] = (
-                time.perf_counter() - t
+            logits = torch.zeros(num_seqs, self.vocab_size).to(self.device)
+            self._run_sampler(
+                logits, select_rows(self._template(kind), [None] * num_seqs, self.device)
             )
+            name = f"sampler {kind.name.lower()} {num_seqs}"
+            self.compile_seconds[name] = time.perf_counter() - t
             bar.update()
         bar.close()
         self._warm_compiles = self.compiler.num_compiles
@@ -173,181 +193,165 @@ class StaticRunner:
             logger.warning(message)
 
     # Model graphs ---------------------------------------------------------------------------
-    def _padding(self, bucket: Bucket) -> dict[str, torch.Tensor]:
-        """Inputs of a bucket whose every row is padding."""
-        rows = bucket.num_seqs * bucket.num_tokens
-        null_slot = self.null_block * self.block_size
-        hidden = self.model.embed_input_ids(torch.zeros(1, dtype=torch.long, device=self.device))
-        return {
-            "input_ids": torch.zeros(rows, dtype=torch.long, device=self.device),
-            "embeds": hidden.new_zeros(rows, hidden.shape[-1]),
-            "positions": torch.zeros(rows, dtype=torch.long, device=self.device),
-            "slot_mapping": torch.full((rows,), null_slot, device=self.device),
-            "block_tables": torch.full(
-                (bucket.num_seqs, bucket.context_blocks), self.null_block, device=self.device
-            ),
-            "last_rows": torch.arange(bucket.num_seqs, device=self.device) * bucket.num_tokens,
-        }
-
-    def _run_model(
-        self, bucket: Bucket, inputs: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self._model_graph(
-            self.kv_caches, **inputs, num_seqs=bucket.num_seqs, num_tokens=bucket.num_tokens
-        )
-        self._check_compiles(str(bucket))
-        return out
-
     def _rows(
         self,
         bucket: Bucket,
         ids: list[list[int]],
         positions: list[list[int]],
         tables: list[list[int]],
-        embeds: torch.Tensor,  # [real tokens, hidden], row after row
+        images: tuple[list[tuple[int, int]], torch.Tensor] | None,
     ) -> dict[str, torch.Tensor]:
-        """Real rows (each its tokens, positions and block table) padded to ``bucket``."""
+        """Real rows (each its tokens, positions and block table) padded to ``bucket``, built
+        on the host and moved to the device in one go (no device op outside the graphs).
+
+        ``images``: ((row, token index) of each image feature, features [n, hidden]).
+        """
         q, bs, null = bucket.num_tokens, self.block_size, self.null_block
-        flat_ids, flat_pos, slots, padded_tables, last, index = [], [], [], [], [], []
+        flat_ids, flat_pos, slots, padded_tables, last = [], [], [], [], []
         for s in range(bucket.num_seqs):
-            row_ids = ids[s] if s < len(ids) else []
-            row_pos = positions[s] if s < len(ids) else []
-            table = tables[s] if s < len(ids) else []
+            real = s < len(ids)
+            row_ids, row_pos = (ids[s], positions[s]) if real else ([], [])
+            table = tables[s] if real else []
             pad = q - len(row_ids)
             flat_ids += row_ids + [0] * pad
             flat_pos += row_pos + [0] * pad
             slots += [table[p // bs] * bs + p % bs for p in row_pos] + [null * bs] * pad
             padded_tables.append(table + [null] * (bucket.context_blocks - len(table)))
             last.append(s * q + max(len(row_ids), 1) - 1)
-            index += [s * q + i for i in range(len(row_ids))]
-        dev = self.device
-        full = embeds.new_zeros(bucket.num_seqs * q, embeds.shape[-1])
-        full[torch.tensor(index, dtype=torch.long, device=dev)] = embeds
-        return {
-            "input_ids": torch.tensor(flat_ids, device=dev),
-            "embeds": full,
-            "positions": torch.tensor(flat_pos, device=dev),
-            "slot_mapping": torch.tensor(slots, device=dev),
-            "block_tables": torch.tensor(padded_tables, device=dev),
-            "last_rows": torch.tensor(last, device=dev),
+        image_embeds = torch.zeros(bucket.num_seqs * q, self.hidden_size)
+        image_mask = torch.zeros(bucket.num_seqs * q, dtype=torch.bool)
+        if images is not None:
+            index = torch.tensor([s * q + i for s, i in images[0]], dtype=torch.long)
+            image_embeds[index] = images[1]
+            image_mask[index] = True
+        host = {
+            "input_ids": torch.tensor(flat_ids),
+            "image_embeds": image_embeds,
+            "image_mask": image_mask,
+            "positions": torch.tensor(flat_pos),
+            "slot_mapping": torch.tensor(slots),
+            "block_tables": torch.tensor(padded_tables),
+            "last_rows": torch.tensor(last),
         }
+        return {name: t.to(self.device) for name, t in host.items()}
 
-    def forward(
+    def _run_model(
+        self, bucket: Bucket, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self._model_graph(
+            self.kv_caches, **inputs, num_seqs=bucket.num_seqs, num_tokens=bucket.num_tokens
+        )
+        self._check_compiles(str(bucket))
+        return out
+
+    def execute(
         self,
-        decodes: list[tuple[int, int, list[int]]],  # (token, position, block table) per row
+        decodes: list[tuple[int, int, list[int]]],  # (token, position, block table) per slice
         prefills: list[tuple[list[int], int, list[int]]],  # (tokens, start_pos, block table)
-        embeds: torch.Tensor,  # [T, hidden]: the decodes' rows, then each prefill's
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states [T, hidden] in the same row order, and the logits of each slice's
-        last token [num decodes + num prefills, vocab]."""
-        hidden_parts, logits_parts = [], []
+        images: tuple[list[int], torch.Tensor] | None,  # (step rows, features [n, hidden])
+        sampling: StaticSamplingInputs | None,  # one row per sampled slice
+        sampled: list[int],  # the slices (decodes first) that sample, in order
+        want_hidden: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Runs a step's graphs: the decodes as one ``[num_seqs, 1]`` bucket, each prefill
+        slice as a ``[1, num_tokens]`` bucket, each followed by its sampler graph.
+
+        Returns hidden states [T, hidden] (only ``want_hidden``: prompt logprobs read them),
+        the sampled slices' raw logits [S, V], their tokens [S] and NaN flags [S] (on the CPU).
+        """
         bs = self.block_size
+        sample_row = {slice_idx: row for row, slice_idx in enumerate(sampled)}
+        image_at = {}
+        if images is not None:
+            image_at = {step_row: i for i, step_row in enumerate(images[0])}
+        calls: list[
+            tuple[Bucket, list[int], list[list[int]], list[list[int]], list[list[int]]]
+        ] = []
         if decodes:
-            n = len(decodes)
             context = max(-(-(pos + 1) // bs) for _, pos, _ in decodes)
-            bucket = self.buckets.decode(n, context)
-            inputs = self._rows(
-                bucket,
-                [[token] for token, _, _ in decodes],
-                [[pos] for _, pos, _ in decodes],
-                [table[: -(-(pos + 1) // bs)] for _, pos, table in decodes],
-                embeds[:n],
+            calls.append(
+                (
+                    self.buckets.decode(len(decodes), context),
+                    list(range(len(decodes))),
+                    [[token] for token, _, _ in decodes],
+                    [[pos] for _, pos, _ in decodes],
+                    [table[: -(-(pos + 1) // bs)] for _, pos, table in decodes],
+                )
             )
-            hidden, logits = self._run_model(bucket, inputs)
-            hidden_parts.append(hidden[:n])
-            logits_parts.append(logits[:n])
-        row = len(decodes)
-        for tokens, start, table in prefills:
-            n = len(tokens)
-            blocks = -(-(start + n) // bs)
-            bucket = self.buckets.prefill(n, blocks)
-            inputs = self._rows(
-                bucket,
-                [tokens],
-                [list(range(start, start + n))],
-                [table[:blocks]],
-                embeds[row : row + n],
+        for i, (tokens, start, table) in enumerate(prefills):
+            blocks = -(-(start + len(tokens)) // bs)
+            calls.append(
+                (
+                    self.buckets.prefill(len(tokens), blocks),
+                    [len(decodes) + i],
+                    [tokens],
+                    [list(range(start, start + len(tokens)))],
+                    [table[:blocks]],
+                )
             )
-            hidden, logits = self._run_model(bucket, inputs)
-            hidden_parts.append(hidden[:n])
-            logits_parts.append(logits)
-            row += n
-        return torch.cat(hidden_parts), torch.cat(logits_parts)
+        hidden_parts, logits_rows, token_rows, nan_rows = [], {}, {}, {}
+        step_row = 0
+        for bucket, slices, ids, positions, tables in calls:
+            bucket_images = None
+            if image_at:
+                where, rows = [], []
+                for s, row_ids in enumerate(ids):
+                    for i in range(len(row_ids)):
+                        if step_row + i in image_at:
+                            where.append((s, i))
+                            rows.append(image_at[step_row + i])
+                    step_row += len(row_ids)
+                if rows:
+                    assert images is not None
+                    bucket_images = (where, images[1][rows])
+            else:
+                step_row += sum(len(r) for r in ids)
+            inputs = self._rows(bucket, ids, positions, tables, bucket_images)
+            hidden, logits, nan = self._run_model(bucket, inputs)
+            if want_hidden:
+                hidden_parts += [
+                    hidden[s * bucket.num_tokens : s * bucket.num_tokens + len(r)]
+                    for s, r in enumerate(ids)
+                ]
+            picked = [sample_row.get(slice_idx) for slice_idx in slices]
+            if sampling is None or all(p is None for p in picked):
+                continue
+            rows_in_bucket = picked + [None] * (bucket.num_seqs - len(picked))
+            chosen = self._run_sampler(logits, select_rows(sampling, rows_in_bucket, self.device))
+            chosen, nan, logits = chosen.cpu(), nan.cpu(), logits.cpu()
+            for s, row in enumerate(picked):
+                if row is not None:
+                    token_rows[row], nan_rows[row], logits_rows[row] = chosen[s], nan[s], logits[s]
+        n = len(sampled)
+        vocab = self.vocab_size
+        hidden_all = torch.cat(hidden_parts) if want_hidden and hidden_parts else None
+        if not n:
+            return hidden_all, torch.empty(0, vocab), None, torch.empty(0, dtype=torch.bool)
+        return (
+            hidden_all,
+            torch.stack([logits_rows[r] for r in range(n)]),
+            torch.stack([token_rows[r] for r in range(n)]),
+            torch.stack([nan_rows[r] for r in range(n)]),
+        )
 
     # Sampler graphs -------------------------------------------------------------------------
-    def _dummy_sampling(self, num_seqs: int, kind: SamplerKind) -> StaticSamplingInputs:
-        def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=self.device)
+    def _template(self, kind: SamplerKind) -> StaticSamplingInputs:
+        """Inputs of ``kind`` with no rows: ``select_rows`` pads them to any size."""
+
+        def empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros(0, *shape, dtype=dtype)
 
         vocab = self.vocab_size
-        inputs = StaticSamplingInputs(kind=kind, bias=zeros(num_seqs, vocab))
+        inputs = StaticSamplingInputs(kind=kind, bias=empty(vocab))
         if kind != SamplerKind.GREEDY:
-            inputs.temperature = zeros(num_seqs)
-            inputs.top_k = zeros(num_seqs, dtype=torch.long)
-            inputs.top_p = zeros(num_seqs) + 1
-            inputs.min_p = zeros(num_seqs)
-            inputs.noise = zeros(num_seqs, vocab) + 1
+            inputs.temperature, inputs.top_k = empty(), empty(dtype=torch.long)
+            inputs.top_p, inputs.min_p, inputs.noise = empty(), empty(), empty(vocab)
         if kind == SamplerKind.PENALIZED:
-            inputs.prompt_counts = zeros(num_seqs, vocab)
-            inputs.output_counts = zeros(num_seqs, vocab)
-            inputs.presence = zeros(num_seqs)
-            inputs.frequency = zeros(num_seqs)
-            inputs.repetition = zeros(num_seqs) + 1
+            inputs.prompt_counts, inputs.output_counts = empty(vocab), empty(vocab)
+            inputs.presence, inputs.frequency, inputs.repetition = empty(), empty(), empty()
         return inputs
 
     def _run_sampler(self, logits: torch.Tensor, inputs: StaticSamplingInputs) -> torch.Tensor:
-        graph = self._samplers[inputs.kind]
-        if inputs.kind == SamplerKind.GREEDY:
-            tokens = graph(logits, inputs.bias)
-        else:
-            args = [
-                logits,
-                inputs.bias,
-                inputs.temperature,
-                inputs.top_k,
-                inputs.top_p,
-                inputs.min_p,
-                inputs.noise,
-            ]
-            if inputs.kind == SamplerKind.PENALIZED:
-                args += [
-                    inputs.prompt_counts,
-                    inputs.output_counts,
-                    inputs.presence,
-                    inputs.frequency,
-                    inputs.repetition,
-                ]
-            tokens = graph(*args)
+        tokens = self._samplers[inputs.kind](logits, *sampler_args(inputs))
         self._check_compiles(f"sampler {inputs.kind.name.lower()} {logits.shape[0]}")
         return tokens
-
-    def sample(self, logits: torch.Tensor, inputs: StaticSamplingInputs) -> torch.Tensor:
-        """Tokens [n] for ``logits`` [n, V]; ``inputs`` hold n rows and are padded here."""
-        n = logits.shape[0]
-        size = fit(self.buckets.seqs, n)
-        padded = StaticSamplingInputs(kind=inputs.kind, bias=_pad(inputs.bias, size))
-        for name in (
-            "temperature",
-            "top_k",
-            "top_p",
-            "min_p",
-            "noise",
-            "prompt_counts",
-            "output_counts",
-            "presence",
-            "frequency",
-            "repetition",
-        ):
-            value = getattr(inputs, name)
-            if value is not None:
-                fill = 1 if name in ("top_p", "noise", "repetition") else 0
-                setattr(padded, name, _pad(value, size, fill))
-        return self._run_sampler(_pad(logits, size), padded)[:n]
-
-
-def _pad(x: torch.Tensor, rows: int, fill: float = 0) -> torch.Tensor:
-    if x.shape[0] == rows:
-        return x
-    out = x.new_full((rows, *x.shape[1:]), fill)
-    out[: x.shape[0]] = x
-    return out

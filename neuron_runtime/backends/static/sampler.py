@@ -41,7 +41,7 @@ class SamplerKind(IntEnum):
 
 @dataclass
 class StaticSamplingInputs:
-    """One bucket's rows; padding rows are greedy with zero logits."""
+    """Sampling settings by row; a padding row is greedy and its settings are no-ops."""
 
     kind: SamplerKind
     bias: torch.Tensor  # [S, V] float: 0, a logit_bias value, or -inf
@@ -109,14 +109,16 @@ def penalized_tokens(
 
 
 def sampling_inputs(
-    seqs: list[ScheduledSeq], batch: SamplingBatch, vocab: int, device: torch.device
+    seqs: list[ScheduledSeq], batch: SamplingBatch, vocab: int, noise_device: torch.device
 ) -> StaticSamplingInputs:
-    """The host side of a static sampling step: one row per sampled slice, unpadded.
+    """The host side of a static sampling step: one row per sampled slice, unpadded, built
+    on the CPU (``batch`` too) except the noise, drawn where the generators live.
 
     Draws the noise from each row's generator exactly as the eager sampler does (nothing when
     every row is greedy), so seeded rows take the same tokens on both paths.
     """
     n = len(seqs)
+    device = torch.device("cpu")
     bias = torch.zeros(n, vocab, device=device)
     for row, seq in enumerate(seqs):
         for token, value in (seq.params.logit_bias or {}).items():
@@ -136,7 +138,7 @@ def sampling_inputs(
     if batch.all_greedy:
         noise = torch.ones(n, vocab, device=device)
     else:
-        noise = exponential_noise(torch.Size((n, vocab)), batch.generators, device)
+        noise = exponential_noise(torch.Size((n, vocab)), batch.generators, noise_device)
     inputs = StaticSamplingInputs(
         SamplerKind.PENALIZED if penalized else SamplerKind.RANDOM,
         bias,
@@ -154,3 +156,49 @@ def sampling_inputs(
         inputs.frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
         inputs.repetition = torch.tensor([p.repetition_penalty for p in params], device=device)
     return inputs
+
+
+# Field -> the value of a padding row (a no-op setting); bias, temperature and counts are 0.
+PADDING = {"top_p": 1.0, "noise": 1.0, "repetition": 1.0}
+ROW_FIELDS = (
+    "bias",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "noise",
+    "prompt_counts",
+    "output_counts",
+    "presence",
+    "frequency",
+    "repetition",
+)
+
+
+def select_rows(
+    inputs: StaticSamplingInputs, rows: list[int | None], device: torch.device
+) -> StaticSamplingInputs:
+    """A bucket's inputs: row i takes ``inputs`` row ``rows[i]``, or padding where None; on
+    ``device``."""
+    out = StaticSamplingInputs(kind=inputs.kind, bias=inputs.bias)
+    for name in ROW_FIELDS:
+        value = getattr(inputs, name)
+        if value is None:
+            continue
+        value = value.to("cpu")
+        picked = value.new_full((len(rows), *value.shape[1:]), PADDING.get(name, 0))
+        real = [i for i, r in enumerate(rows) if r is not None]
+        if real:
+            picked[real] = value[[rows[i] for i in real]]
+        setattr(out, name, picked.to(device))
+    return out
+
+
+def sampler_args(inputs: StaticSamplingInputs) -> list[torch.Tensor]:
+    """The graph arguments of ``inputs.kind``'s sampler, after the logits."""
+    names: tuple[str, ...] = ROW_FIELDS[:1] if inputs.kind == SamplerKind.GREEDY else ROW_FIELDS[:6]
+    if inputs.kind == SamplerKind.PENALIZED:
+        names = ROW_FIELDS
+    args = [getattr(inputs, name) for name in names]
+    assert all(a is not None for a in args)
+    return args
