@@ -111,15 +111,22 @@ def read_descriptors(
     assert len(src_addresses) == len(dst_addresses) == layout.num_regions
     src = np.asarray(src_blocks, dtype=np.int64)
     dst = np.asarray(dst_blocks, dtype=np.int64)
-    # A run breaks where either side's next block is not the previous one + 1.
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    # A run goes on while both sides step by the same +1 or -1 (freed blocks return to the
+    # pool's queue in reverse, so descending runs are common); it breaks anywhere else.
+    step_src, step_dst = np.diff(src), np.diff(dst)
+    joined = (step_src == step_dst) & (np.abs(step_src) == 1)
+    joined[1:] &= ~((step_src[1:] != step_src[:-1]) & joined[:-1])  # a turn starts a new run
+    breaks = np.flatnonzero(~joined) + 1
     starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    ends = np.concatenate((breaks, [len(src)])) - 1
+    lengths = ends - starts + 1
     bb = layout.block_bytes
     heads = np.arange(layout.num_kv_heads, dtype=np.int64)
-    # [regions, heads, runs] offsets of each run's first block inside each side's region.
-    src_off = (heads[:, None] * src_num_blocks + src[starts][None, :]) * bb
-    dst_off = (heads[:, None] * layout.num_blocks + dst[starts][None, :]) * bb
+    # A run covers blocks [min, max] of each side; [regions, heads, runs] byte offsets.
+    src_first = np.minimum(src[starts], src[ends])
+    dst_first = np.minimum(dst[starts], dst[ends])
+    src_off = (heads[:, None] * src_num_blocks + src_first[None, :]) * bb
+    dst_off = (heads[:, None] * layout.num_blocks + dst_first[None, :]) * bb
     src_base = np.asarray(src_addresses, dtype=np.int64)[:, None, None]
     dst_base = np.asarray(dst_addresses, dtype=np.int64)[:, None, None]
     run_bytes = np.broadcast_to(lengths * bb, (layout.num_regions, *src_off.shape))

@@ -389,6 +389,10 @@ def test_read_descriptors_merge_runs_on_both_sides():
     assert dst[:2, 0].tolist() == [100, 100 + 3 * bb]
     assert dst[2:4, 0].tolist() == [100 + 10 * bb, 100 + 13 * bb]
     assert dst[4, 0] == 700 and np.all(src[:, 2] == 0)
+    # Descending on both sides merges too (a run covers [min, max]); opposite steps do not.
+    src, dst = read_descriptors(layout, (0, 0), 20, [6, 5, 4, 1, 2], (0, 0), [9, 8, 7, 2, 1])
+    assert (src[:3, 0] // bb).tolist() == [4, 1, 2] and (dst[:3, 0] // bb).tolist() == [7, 2, 1]
+    assert (src[:3, 1] // bb).tolist() == [3, 1, 1]
 
 
 def test_config_names_the_transport():

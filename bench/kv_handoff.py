@@ -1,0 +1,284 @@
+"""The KV handoff from a prefill to a decode replica, per transport, at several prompt lengths.
+
+Two parts, one local cluster (127.0.0.1), the default model (SmolLM2-135M: 30 layers x 3 KV
+heads x 64, 720 KiB of KV per 16-token block):
+
+1. Components, between two Ray actors that each own an engine and both transports (no Serve):
+   per request, the prefill side's export (nixl: the ticket; object_store: the copy out of
+   the blocks and ``ray.put``), the transfer (nixl: ticket -> the decode blocks filled, one
+   READ; object_store: the ref read on the decode side) and the import (object_store: the
+   array written into the decode blocks; nixl has none: the READ lands in them). A plain
+   memory copy of the same bytes in the decode actor is the bandwidth reference.
+2. End to end, the colocated app and the disaggregated app over each transport, loaded in
+   turn (A B C A B C ...): TTFT, TPOT and the second token's latency, p50 / p99.
+
+    python bench/kv_handoff.py --prompt-lens 128,1024,4096 --requests 4 --output-len 16
+
+Prints tables and writes bench/results/kv_handoff.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from local_cluster import start_local_serve, stop_local_serve  # noqa: E402
+from serve import http_request, summarize  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+APPS = {
+    "colocated": ("colocated", "object_store"),
+    "pd-object_store": ("disaggregated", "object_store"),
+    "pd-nixl": ("disaggregated", "nixl"),
+}
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(length)]
+
+
+def make_side(num_blocks: int, max_model_len: int):  # noqa: ANN201 - a Ray actor class
+    import ray
+
+    @ray.remote(num_cpus=0.5)
+    class Side:
+        """One engine (the prefill or the decode role) with both transports attached."""
+
+        def __init__(self) -> None:
+            import torch
+
+            from deployments.kv_transport import KVTransportConfig, make_transport
+            from neuron_runtime import EngineArgs, LLMEngine
+
+            torch.set_num_threads(1)
+            args = EngineArgs(
+                model=MODEL,
+                max_model_len=max_model_len,
+                num_kv_blocks=num_blocks,
+                enable_prefix_caching=False,
+            )
+            self.engine = LLMEngine.from_engine_args(args)
+            self.transports = {}
+            for name in ("nixl", "object_store"):
+                transport = make_transport(KVTransportConfig(name))
+                transport.attach(self.engine, self.engine.release_kv)
+                self.transports[name] = transport
+
+        async def prefill(self, transport: str, prompt: list[int]):  # noqa: ANN201
+            from neuron_runtime import RequestOutputKind, SamplingParams
+
+            params = SamplingParams(temperature=0, max_tokens=2)
+            self.engine.add_request(
+                "p", prompt, params, RequestOutputKind.FINAL_ONLY, export_kv=True
+            )
+            handoff = None
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    handoff = out.kv_handoff or handoff
+            start = time.perf_counter()
+            handoff = self.transports[transport].export(handoff)
+            return handoff, time.perf_counter() - start
+
+        async def held_blocks(self) -> int:
+            return self.engine.stats().num_kv_blocks_held
+
+        async def receive(self, transport: str, handoff) -> dict:  # noqa: ANN001
+            """Ticket -> KV in this engine's blocks; the times of each part."""
+            import torch
+
+            from neuron_runtime.kv_transfer import KVPayload
+
+            engine = self.engine
+            num_blocks = len(handoff.block_ids)
+            blocks = [b.block_id for b in engine.kv.pool.allocate(num_blocks)]
+            start = time.perf_counter()
+            kv = await self.transports[transport].receive(handoff, 30.0)
+            received = time.perf_counter()
+            out = {"bytes": handoff.num_kv_bytes}
+            if isinstance(kv, KVPayload):
+                out["transfer_s"] = received - start
+                before = time.perf_counter()
+                engine.runner.import_kv(blocks, kv)
+                out["import_s"] = time.perf_counter() - before
+            else:
+                kv.start(blocks)
+                while not kv.poll():
+                    await asyncio.sleep(0.0002)
+                out["transfer_s"] = kv.done_at - start
+                out["read_s"] = kv.done_at - kv.started_at
+                out["import_s"] = 0.0
+            engine.kv.pool.free(blocks)
+            # The reference: one contiguous copy of as many bytes, in this process.
+            src = torch.ones(handoff.num_kv_bytes // 4)
+            dst = torch.empty_like(src)
+            best = float("inf")
+            for _ in range(3):
+                before = time.perf_counter()
+                dst.copy_(src)
+                best = min(best, time.perf_counter() - before)
+            out["memcpy_s"] = best
+            return out
+
+    return Side
+
+
+def components(args: argparse.Namespace, lengths: list[int]) -> dict:
+    import ray
+
+    blocks = -(-max(lengths) // 16) + 8
+    side = make_side(blocks, max(lengths) + 64)
+    prefill, decode = side.remote(), side.remote()
+    rng = random.Random(0)
+    rows: dict = {}
+    for length in lengths:
+        for transport in ("nixl", "object_store"):
+            samples = []
+            for _ in range(args.requests):
+                handoff, export_s = ray.get(
+                    prefill.prefill.remote(transport, random_prompt(rng, length))
+                )
+                got = ray.get(decode.receive.remote(transport, handoff))
+                got["export_s"] = export_s
+                samples.append(got)
+                deadline = time.monotonic() + 10
+                while ray.get(prefill.held_blocks.remote()):  # freed by the READ's notification
+                    assert time.monotonic() < deadline, "prefill blocks still held"
+                    time.sleep(0.005)
+            rows[f"{length}/{transport}"] = aggregate(samples)
+            print_component(length, transport, rows[f"{length}/{transport}"])
+    ray.kill(prefill)
+    ray.kill(decode)
+    return rows
+
+
+def aggregate(samples: list[dict]) -> dict:
+    out: dict = {"bytes": samples[0]["bytes"], "n": len(samples)}
+    for key in ("export_s", "transfer_s", "import_s", "read_s", "memcpy_s"):
+        values = [s[key] for s in samples if key in s]
+        if values:
+            out[key.replace("_s", "_ms")] = statistics.median(values) * 1e3
+    out["transfer_gbps"] = out["bytes"] / out["transfer_ms"] / 1e6
+    out["memcpy_gbps"] = out["bytes"] / out["memcpy_ms"] / 1e6
+    out["transfer_vs_memcpy"] = out["transfer_gbps"] / out["memcpy_gbps"]
+    return out
+
+
+def print_component(length: int, transport: str, row: dict) -> None:
+    read = f" (READ {row['read_ms']:.2f})" if "read_ms" in row else ""
+    print(
+        f"{length:>5} tok {transport:<12} {row['bytes'] / 2**20:7.1f} MiB  "
+        f"export {row['export_ms']:7.3f} ms  transfer {row['transfer_ms']:7.2f} ms{read}  "
+        f"import {row['import_ms']:6.2f} ms  | {row['transfer_gbps']:.2f} GB/s vs memcpy "
+        f"{row['memcpy_gbps']:.2f} GB/s ({row['transfer_vs_memcpy']:.0%})",
+        flush=True,
+    )
+
+
+def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
+    import httpx
+    from ray import serve
+
+    from app.builder import BuildArgs, DisaggregationArgs, build_openai_app
+
+    small = {"ray_actor_options": {"num_cpus": 0.1}}
+    engine_args = {"num_kv_blocks": -(-max(lengths) // 16) * 2 + 16, "enable_prefix_caching": False}
+    urls = {}
+    for name, (mode, transport) in APPS.items():
+        build = BuildArgs(
+            mode=mode,
+            max_model_len=max(lengths) + args.output_len + 16,
+            embedding_model=None,
+            engine_args=engine_args,
+            disaggregation=DisaggregationArgs(kv_transport=transport),
+        )
+        app = build_openai_app(
+            build,
+            llm_options=small,
+            prefill_options=small,
+            decode_options=small,
+            ingress_options=small,
+        )
+        serve.run(app, name=name, route_prefix=f"/{name}")
+        urls[name] = f"http://127.0.0.1:{port}/{name}/v1/completions"
+    rng = random.Random(1)
+    rows: dict = {}
+
+    async def load() -> None:
+        async with httpx.AsyncClient(timeout=600) as client:
+            for length in lengths:
+                results: dict[str, list] = {name: [] for name in APPS}
+                prompts = [random_prompt(rng, length) for _ in range(args.requests)]
+                for name in APPS:  # warm-up: connections, first transfers
+                    await http_request(client, urls[name], MODEL, prompts[0][:32], 4)
+                for prompt in prompts:
+                    for name in APPS:
+                        results[name].append(
+                            await http_request(client, urls[name], MODEL, prompt, args.output_len)
+                        )
+                for name in APPS:
+                    done = results[name]
+                    summary = summarize(done, 1.0, {})
+                    second = [r.itl[0] for r in done if r.ok and r.itl]
+                    summary["second_token"] = {
+                        "p50_ms": statistics.median(second) * 1e3 if second else None,
+                        "p99_ms": max(second) * 1e3 if second else None,
+                    }
+                    rows[f"{length}/{name}"] = summary
+                    print_e2e(length, name, summary)
+
+    asyncio.run(load())
+    for name in APPS:
+        serve.delete(name)
+    return rows
+
+
+def print_e2e(length: int, name: str, s: dict) -> None:
+    def pair(key: str) -> str:
+        p50, p99 = s[key]["p50_ms"], s[key]["p99_ms"]
+        return "-" if p50 is None else f"{p50:7.1f} / {p99:7.1f}"
+
+    print(
+        f"{length:>5} tok {name:<16} ok {s['completed']}/{s['completed'] + s['failed']}  "
+        f"TTFT {pair('ttft')}  TPOT {pair('tpot')}  2nd token {pair('second_token')} ms "
+        f"(p50 / p99)",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompt-lens", default="128,1024,4096")
+    parser.add_argument("--requests", type=int, default=4, help="per prompt length and app")
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--parts", default="components,e2e")
+    parser.add_argument("--json", default="bench/results/kv_handoff.json")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.prompt_lens.split(",")]
+    parts = args.parts.split(",")
+    port = start_local_serve()
+    result: dict = {"args": vars(args)}
+    try:
+        if "components" in parts:
+            print("-- components: export (prefill side), transfer, import; medians", flush=True)
+            result["components"] = components(args, lengths)
+        if "e2e" in parts:
+            print("-- end to end, one request at a time, apps in turn", flush=True)
+            result["end_to_end"] = end_to_end(args, lengths, port)
+    finally:
+        stop_local_serve()
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
