@@ -28,8 +28,8 @@ from deployments.vision_encoder import VisionEncoderServer
 from neuron_runtime.config import EngineConfig
 from neuron_runtime.embedding import EMBEDDING_ARCHITECTURES
 from neuron_runtime.engine_args import EngineArgs
+from neuron_runtime.kv_budget import kv_capacity_tokens
 from neuron_runtime.loader import iter_weights, load_hf_config
-from neuron_runtime.model_runner import kv_bytes_per_block
 from neuron_runtime.model_store import resolve_model
 from neuron_runtime.models.registry import model_class
 from neuron_runtime.tokenizer import Tokenizer
@@ -189,11 +189,15 @@ def validate_args(args: BuildArgs) -> EngineConfig:
     capacity = kv_capacity_tokens(config)
     if capacity < config.model.max_model_len:
         cache = config.cache
-        budget = (
-            f"engine_args.num_kv_blocks {cache.num_blocks}"
-            if cache.num_blocks
-            else f"engine_args.kv_cache_memory_bytes {cache.kv_cache_bytes}"
-        )
+        if cache.num_blocks:
+            budget = f"engine_args.num_kv_blocks {cache.num_blocks}"
+        elif args.engine_args.get("kv_cache_memory_bytes") is not None:
+            budget = f"engine_args.kv_cache_memory_bytes {cache.kv_cache_bytes}"
+        else:
+            budget = (
+                f"the default budget of {cache.kv_cache_bytes} bytes, bounded by "
+                "engine_args.kv_cache_memory_fraction of the memory available"
+            )
         raise ValueError(
             f"model {args.model!r}: max_model_len {config.model.max_model_len} exceeds the "
             f"KV cache's {capacity} tokens ({budget}, blocks of {cache.block_size} tokens); "
@@ -204,14 +208,6 @@ def validate_args(args: BuildArgs) -> EngineConfig:
         _check_embedding_model(args.embedding_model)
     args.separate_encoder()
     return config
-
-
-def kv_capacity_tokens(config: EngineConfig) -> int:
-    """How many tokens an engine replica's KV cache holds (as ModelRunner sizes it)."""
-    num_blocks = config.cache.num_blocks or max(
-        1, config.cache.kv_cache_bytes // kv_bytes_per_block(config)
-    )
-    return num_blocks * config.cache.block_size
 
 
 def _check_embedding_model(model: str) -> None:

@@ -17,6 +17,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--model", default="smollm2-135m-instruct", help="alias, HF folder or .gguf"
     )
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV budget (default: max(512 MiB, one max-model-len sequence), bounded by "
+        "--kv-cache-memory-fraction of the memory available after the weights)",
+    )
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "xla", "neuron"])
     parser.add_argument(
         "--graph-mode",
@@ -37,6 +45,8 @@ def _engine(args: argparse.Namespace) -> AsyncEngine:
         EngineArgs(
             model=args.model,
             max_model_len=args.max_model_len,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             device=args.device,
             num_threads=args.num_threads,
             graph_mode=args.graph_mode,

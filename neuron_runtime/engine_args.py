@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from neuron_runtime.backends.base import default_graph_mode
 from neuron_runtime.config import (
@@ -12,6 +12,14 @@ from neuron_runtime.config import (
     ModelConfig,
     SchedulerConfig,
     text_config,
+)
+from neuron_runtime.kv_budget import (
+    DEFAULT_KV_CACHE_MEMORY_FRACTION,
+    KVPlan,
+    available_memory_bytes,
+    kv_bytes_per_token,
+    plan_kv_cache,
+    weight_bytes,
 )
 from neuron_runtime.loader import load_hf_config
 from neuron_runtime.model_store import resolve_model
@@ -26,7 +34,10 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    # KV budget (kv_budget.py): unset, max(512 MiB, one max_model_len sequence) bounded by
+    # kv_cache_memory_fraction of the host memory available after the weights.
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float = DEFAULT_KV_CACHE_MEMORY_FRACTION
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -46,16 +57,24 @@ class EngineArgs:
         path = resolve_model(self.model)
         hf_config = complete_config(load_hf_config(path))
         limit = int(text_config(hf_config).get("max_position_embeddings") or 2048)
-        max_model_len = self.max_model_len or limit
-        if max_model_len > limit:
+        if self.max_model_len is not None and self.max_model_len > limit:
             raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's "
+                f"max_model_len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings ({limit})"
             )
+        model = ModelConfig(
+            path=str(path),
+            hf_config=hf_config,
+            max_model_len=self.max_model_len or limit,
+            name=self.model,
+        )
+        plan = self._plan_kv_cache(model, limit)
+        model = replace(model, max_model_len=plan.max_model_len)
+        max_model_len = model.max_model_len
         cache = CacheConfig(
             block_size=self.block_size,
             num_blocks=self.num_kv_blocks,
-            kv_cache_bytes=self.kv_cache_memory_bytes,
+            kv_cache_bytes=plan.kv_cache_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
         )
         batched = self.max_num_batched_tokens
@@ -65,9 +84,6 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=batched,
             enable_chunked_prefill=self.enable_chunked_prefill,
-        )
-        model = ModelConfig(
-            path=str(path), hf_config=hf_config, max_model_len=max_model_len, name=self.model
         )
         return EngineConfig(
             model=model,
@@ -84,4 +100,30 @@ class EngineArgs:
                 on_recompile=self.on_recompile,
                 compile_scope=self.compile_scope,
             ),
+        )
+
+    def _plan_kv_cache(self, model: ModelConfig, limit: int) -> KVPlan:
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        auto = self.kv_cache_memory_bytes is None and self.num_kv_blocks is None
+        return plan_kv_cache(
+            bytes_per_token=kv_bytes_per_token(
+                model.num_layers, model.num_kv_heads, model.head_dim
+            ),
+            block_size=self.block_size,
+            model_limit=limit,
+            max_model_len=self.max_model_len,
+            kv_cache_bytes=self.kv_cache_memory_bytes,
+            num_blocks=self.num_kv_blocks,
+            memory_fraction=self.kv_cache_memory_fraction,
+            available_bytes=available_memory_bytes() if auto else None,
+            weight_bytes=weight_bytes(model.path) if auto else 0,
         )

@@ -18,6 +18,7 @@ from neuron_runtime.backends import Backend
 from neuron_runtime.backends.static.runner import StaticRunner
 from neuron_runtime.backends.static.sampler import sampling_inputs
 from neuron_runtime.config import EngineConfig
+from neuron_runtime.kv_budget import num_kv_blocks
 from neuron_runtime.kv_transfer import KVPayload
 from neuron_runtime.layers.attention import DecodeRows, PrefillSlice
 from neuron_runtime.loader import load_model
@@ -76,11 +77,6 @@ def _decodes_first(seq: ScheduledSeq) -> tuple[bool, int]:
     return (not is_decode, seq.start_pos if is_decode else 0)
 
 
-def kv_bytes_per_block(config: EngineConfig) -> int:
-    m = config.model
-    return 2 * m.num_layers * m.num_kv_heads * config.cache.block_size * m.head_dim * 4
-
-
 class ModelRunner:
     """Owns the model weights, the KV cache tensors and the per-request random generators."""
 
@@ -100,9 +96,7 @@ class ModelRunner:
             self.vision = VisionEncoder(
                 cast(LlavaForConditionalGeneration, self.model), processor, self.device
             )
-        self.num_blocks = config.cache.num_blocks or max(
-            1, config.cache.kv_cache_bytes // kv_bytes_per_block(config)
-        )
+        self.num_blocks = num_kv_blocks(config)
         m = config.model
         # The static runner pads into one more block, never handed out (its null block).
         extra = 1 if config.graph.static else 0

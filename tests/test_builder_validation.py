@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import yaml
 
-from app.builder import BuildArgs, build_app, kv_capacity_tokens, validate_args
+from app.builder import BuildArgs, build_app, validate_args
 from app.config_check import check_config
 from neuron_runtime.engine import LLMEngine
 from neuron_runtime.engine_args import EngineArgs
-from neuron_runtime.model_runner import kv_bytes_per_block
+from neuron_runtime.kv_budget import kv_bytes_per_block, kv_capacity_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 
