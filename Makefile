@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 
-.PHONY: install model test test-fast lint bench bench-peers vllm-env serve serve-colocated serve-epd bench-serve bench-pd clean
+.PHONY: install model test test-fast lint bench bench-peers vllm-env serve serve-colocated serve-epd bench-serve bench-pd kuberay clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,12 @@ bench-pd: model
 	$(PY) bench/serve.py --start-server --num-requests 12 --concurrency 4 --input-len 128 \
 		--output-len 32 --rounds 2 --json bench/results/serve_pd.json
 	$(PY) bench/prefix_affinity.py --groups 4 --per-group 6 --rounds 2
+
+# KubeRay RayService manifests (configs/kuberay/) rendered from the Serve configs: serveConfigV2
+# is configs/serve/trn1.yaml, trn2.yaml, gpu.yaml as written (docs/eks.md).
+kuberay: model
+	$(PY) -m app.config_check configs/serve/trn1.yaml configs/serve/trn2.yaml configs/serve/gpu.yaml
+	$(PY) -m app.render_kuberay
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

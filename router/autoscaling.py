@@ -108,7 +108,7 @@ class PDAutoscalingPolicy:
                 wanted[dep_id] = need(ctx.total_num_requests, self.encoder_target_ongoing)
                 reasons[dep_id] = "queue"
             else:
-                target = ctx.config.get_target_ongoing_requests()
+                target = ctx.config.get_target_ongoing_requests() if ctx.config else 1.0
                 wanted[dep_id] = need(ctx.total_num_requests, target)
                 reasons[dep_id] = "default"
         prefill, decode = by_name.get(self.prefill_deployment), by_name.get(self.decode_deployment)

@@ -54,6 +54,14 @@ def asks_for_neuron_cores(config: dict[str, Any]) -> bool:
     )
 
 
+def asks_for_gpus(config: dict[str, Any]) -> bool:
+    return any(
+        (d.get("ray_actor_options") or {}).get("num_gpus")
+        for app in config["applications"]
+        for d in app.get("deployments", [])
+    )
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=IDS)
 def test_config_parses_and_its_args_fit_the_models(path: Path) -> None:
     """What the Makefile's serve targets run before `serve run` (no cluster)."""
@@ -69,6 +77,8 @@ def test_config_deploys_as_written_and_answers(path: Path, serve_cluster: str) -
     config = load(path)
     if asks_for_neuron_cores(config):
         pytest.skip(f"{path.name} asks for neuron_cores: it deploys only on Trainium nodes")
+    if asks_for_gpus(config):
+        pytest.skip(f"{path.name} asks for GPUs: it deploys only on GPU nodes")
     config["http_options"]["port"] = int(serve_cluster.rsplit(":", 1)[1])
     schema = ServeDeploySchema.model_validate(config)
     client = _get_global_client()
