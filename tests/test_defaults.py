@@ -8,6 +8,7 @@ The model is a tiny random Qwen2 with Qwen2.5-0.5B's KV geometry (24 layers, 2 K
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -195,3 +196,25 @@ def test_available_memory_is_read_from_the_host():
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
     assert available is not None and 0 < available <= total
+
+
+# -- progress of one-time steps -------------------------------------------------------------
+
+
+def test_gguf_conversion_says_what_it_does_on_stderr_once(monkeypatch, capsys, tmp_path):
+    from neuron_runtime import model_store
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" * 1000)
+    monkeypatch.setenv("NEURON_SERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(
+        model_store, "convert_gguf_to_hf", lambda g, o: (o / "config.json").write_text("{}")
+    )
+    folder = model_store.resolve_model(str(gguf))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == (
+        f"neuron-serve: converting tiny.gguf (0 MB) into {folder} (once; later starts reuse it) ..."
+    )
+    assert re.fullmatch(r"neuron-serve: done in \d+\.\d s", lines[1]) and len(lines) == 2
+    assert model_store.resolve_model(str(gguf)) == folder
+    assert capsys.readouterr().err == ""
