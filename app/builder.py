@@ -9,9 +9,12 @@ Deployment sizing (replicas, CPUs, queue limits) lives in serve_config.yaml's ``
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
 import os
 from typing import Any, Literal, cast
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
@@ -36,6 +39,7 @@ from neuron_runtime.tokenizer import Tokenizer
 from router.pd_router import PDRouter
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
+logger = logging.getLogger(__name__)
 
 
 def as_deployment(cls: object) -> Deployment:
@@ -170,7 +174,30 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """
     build_args = BuildArgs(**(args or {}))
     validate_args(build_args)
+    warning = listener_warning(ray.util.get_node_ip_address())
+    if warning:
+        logger.warning(warning)
     return build_openai_app(build_args)
+
+
+def listener_warning(node_ip: str) -> str | None:
+    """The warning for a Ray node address other hosts can reach (None for loopback).
+
+    Ray binds GCS, the raylet, its workers and the dashboard agent to the node address; a
+    local cluster started without the variable below takes the host's network address.
+    """
+    try:
+        if ipaddress.ip_address(node_ip).is_loopback:
+            return None
+    except ValueError:
+        if node_ip == "localhost":
+            return None
+    return (
+        f"Ray's node address is {node_ip}, not loopback: GCS, the raylet, its workers and the "
+        "dashboard agent listen on it; for a single host, start Ray (serve run, ray start) "
+        "with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in the environment and the dashboard host "
+        "127.0.0.1 (ray start --dashboard-host 127.0.0.1), as the Makefile does"
+    )
 
 
 def validate_args(args: BuildArgs) -> EngineConfig:
