@@ -6,8 +6,10 @@ free, constrained, free, constrained, ...; the grammars cannot end before ``--to
 tokens, so both produce exactly that many. Per-token time = (time for N tokens - time for
 1 token) / (N - 1), which leaves the prompt out. Constraints:
 
-- ``regex``: ``([a-z]+ ){N}`` words (free text inside a grammar);
-- ``json``: an array of at least N strings of at least 2 characters (JSON schema).
+- ``regex``: ``([a-z]+ ){N,}`` words (free text inside a grammar);
+- ``json``: a JSON array of at least N strings;
+- ``json bounded``: the same with 2-12 characters per string (``minLength``/``maxLength``
+  are outside llguidance's precomputed token sets for JSON strings: each mask costs more).
 
 Then the cost of its parts at batch 32 (mask fill by llguidance, bitmask applied to the
 logits), and compile time: the first compile of each schema (its own cache key) and a
@@ -77,6 +79,10 @@ def constraints(tokens: int) -> dict[str, StructuredOutputsParams]:
     return {
         "regex": StructuredOutputsParams(regex=f"([a-z]+ ){{{tokens},}}"),
         "json": StructuredOutputsParams(
+            json={"type": "array", "items": {"type": "string"}, "minItems": tokens},
+            disable_any_whitespace=True,
+        ),
+        "json bounded": StructuredOutputsParams(
             json={
                 "type": "array",
                 "items": {"type": "string", "minLength": 2, "maxLength": 12},
@@ -127,32 +133,33 @@ def decode_overhead(llm: LLM, batch: int, tokens: int, repeats: int) -> dict:
     }
 
 
-def parts_at_batch(llm: LLM, batch: int, steps: int = 64) -> dict:
-    """Mask fill (llguidance, one call for the batch) and the bitmask applied to [B, V]."""
+def parts_at_batch(llm: LLM, batch: int, kind: str, steps: int = 48) -> dict:
+    """Mask fill (llguidance, one call for the batch) and the bitmask applied to [B, V], with
+    every row of the batch stepping through the same valid answer."""
     manager = StructuredOutputManager(llm.engine.structured.compiler)
-    params = constraints(steps)["regex"]
+    params = constraints(steps)[kind]
     ids = [f"r{i}" for i in range(batch)]
     for req_id in ids:
         manager.add(req_id, params)
     while not all(manager.status(r, [])[0] for r in ids):
         manager.wait_for_compiles(0.1)
-    word = llm.get_tokenizer().encode(" sea", add_special_tokens=False)
-    letters = llm.get_tokenizer().encode("a", add_special_tokens=False)
-    vocab = llm.engine.config.model.vocab_size
-    logits = torch.randn(batch, vocab)
+    words = [chr(97 + i % 26) + chr(97 + i // 26) for i in range(steps)]
+    text = " ".join(words) + " " if kind == "regex" else json.dumps(words, separators=(",", ":"))
+    tokens = llm.get_tokenizer().encode(text, add_special_tokens=False)[:steps]
+    logits = torch.randn(batch, llm.engine.config.model.vocab_size)
     fill, apply = [], []
-    for step in range(steps):
+    for token in tokens:
         start = time.perf_counter()
         rows = manager.bitmask(ids)
         fill.append(time.perf_counter() - start)
         start = time.perf_counter()
         apply_grammar_bitmasks(logits, [rows[r] for r in ids])
         apply.append(time.perf_counter() - start)
-        token = (letters if step % 2 == 0 else word)[0]
         for req_id in ids:
             assert manager.accept(req_id, token)
     return {
         "batch": batch,
+        "kind": kind,
         "mask_fill_ms": 1e3 * statistics.median(fill),
         "bitmask_apply_ms": 1e3 * statistics.median(apply),
     }
@@ -277,25 +284,31 @@ def main() -> None:
     if args.compare_xgrammar:
         result["engines"] = compare_engines(llm)
     result["decode"] = [decode_overhead(llm, b, args.tokens, args.repeats) for b in (1, 32)]
-    result["parts"] = [parts_at_batch(llm, b) for b in (1, 32)]
+    result["parts"] = [parts_at_batch(llm, b, k) for b in (1, 32) for k in constraints(48)]
     result["machine_end"] = machine()
 
     print(
         f"CPU {result['machine_start']['cpu']}, load {result['machine_start']['load_average']}"
         f" -> {result['machine_end']['load_average']}, {args.threads} thread(s)"
     )
-    print("\n| batch | free ms/token | regex ms/token | overhead | json ms/token | overhead |")
-    print("|---|---|---|---|---|---|")
+    kinds = list(constraints(args.tokens))
+    print(
+        "\n| batch | free ms/token | "
+        + " | ".join(f"{k} ms/token (overhead)" for k in kinds)
+        + " |"
+    )
+    print("|---|---|" + "---|" * len(kinds))
     for row in result["decode"]:
         ms, over = row["per_token_ms"], row["overhead"]
-        print(
-            f"| {row['batch']} | {ms['free']:.2f} | {ms['regex']:.2f} | {over['regex']:+.1%} "
-            f"| {ms['json']:.2f} | {over['json']:+.1%} |"
-        )
-    print("\n| batch | mask fill ms/step | bitmask apply ms/step |")
-    print("|---|---|---|")
+        cells = " | ".join(f"{ms[k]:.2f} ({over[k]:+.1%})" for k in kinds)
+        print(f"| {row['batch']} | {ms['free']:.2f} | {cells} |")
+    print("\n| batch | constraint | mask fill ms/step | bitmask apply ms/step |")
+    print("|---|---|---|---|")
     for row in result["parts"]:
-        print(f"| {row['batch']} | {row['mask_fill_ms']:.3f} | {row['bitmask_apply_ms']:.3f} |")
+        print(
+            f"| {row['batch']} | {row['kind']} | {row['mask_fill_ms']:.3f} "
+            f"| {row['bitmask_apply_ms']:.3f} |"
+        )
     print("\n| compile | ms |")
     print("|---|---|")
     for name, ms in result["compile_ms"].items():
