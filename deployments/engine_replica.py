@@ -13,6 +13,7 @@ import torch
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+from deployments import ray_metrics
 from deployments.protocol import ImagePart, SeqDelta, StepOutput
 from neuron_runtime import AsyncEngine, EngineArgs
 from neuron_runtime.multimodal import MultiModalInput
@@ -49,9 +50,15 @@ class EngineReplica:
         self.block_size = args.block_size
         self.stall_timeout_s = stall_timeout_s
         try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
+            context = serve.get_replica_context()
+            self.replica_id, deployment = context.replica_id.unique_id, context.deployment
         except (RuntimeError, RayServeException):  # outside a replica (unit tests, benchmarks)
-            self.replica_id = "local"
+            self.replica_id, deployment = "local", type(self).__name__
+        # Serve runs one replica per actor process: its instruments are the process's.
+        self.metrics = ray_metrics.EngineMetrics(
+            deployment, str(args.model), record=self.replica_id != "local"
+        )
+        ray_metrics.current = self.metrics
 
     def stats(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}
@@ -59,6 +66,19 @@ class EngineReplica:
     def check_health(self) -> None:
         """Ray Serve's health probe: raises when the engine loop died or is stuck."""
         self.engine.check_health(stall_timeout_s=self.stall_timeout_s)
+        self.metrics.observe_stats(self.engine.stats())
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Signals for the application's autoscaling policy (router/autoscaling.py); Serve
+        averages them over the deployment's look-back window."""
+        stats = self.engine.stats()
+        self.metrics.observe_stats(stats)
+        return {
+            "num_running": float(stats.num_running),
+            "num_waiting": float(stats.num_waiting),
+            "kv_cache_usage": float(stats.kv_cache_usage),
+            "ttft_s": self.metrics.recent_ttft_s(),
+        }
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Load figures Serve hands to this deployment's request router (router/)."""
@@ -98,6 +118,8 @@ async def image_inputs(images: list[ImagePart]) -> dict[str, Any]:
 
 
 def to_step_output(out: RequestOutput, with_queue_time: bool = False) -> StepOutput:
+    if out.finished and ray_metrics.current is not None:
+        ray_metrics.current.observe_finished(out)
     seqs = [
         SeqDelta(
             index=c.index,
