@@ -154,7 +154,7 @@ def test_padding_leaves_real_rows_and_other_blocks_alone(model_pair):
     results = []
     for num_seqs in (1, 8):
         bucket = static.buckets.decode(num_seqs, 3)
-        with torch.inference_mode():  # as steps run (grad mode is part of the graphs' guards)
+        with torch.no_grad():  # as steps run (grad mode is part of the graphs' guards)
             inputs = static._rows(bucket, [[77]], [[10]], [table], None)
             hidden, logits, _ = static._run_model(bucket, inputs)
         results.append((hidden[0], logits[0]))

@@ -145,7 +145,7 @@ class StaticRunner:
         """Compiles every bucket's graphs (a progress bar on stderr), then arms the guard."""
         from neuron_runtime.model_runner import no_grad
 
-        with no_grad(self.device):  # as the steps run: grad mode is part of the guards
+        with no_grad(static=True):  # as the steps run: grad mode is part of the guards
             self._warm_up()
 
     def _warm_up(self) -> None:
