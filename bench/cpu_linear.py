@@ -41,6 +41,7 @@ def main() -> None:
     fused = kernels()
     if fused is None:
         raise SystemExit("the CPU kernels are off or did not build")
+    fused.set_num_threads(args.threads)
     path = resolve_model(args.model)
     cfg = load_hf_config(path)
     model = load_model(model_class(cfg["architectures"][0]), cfg, path)

@@ -69,12 +69,13 @@ def _cpu_s() -> float:
 class Ours:
     name = "neuron_runtime"
 
-    def __init__(self, model: str, kv_cache_bytes: int) -> None:
+    def __init__(self, model: str, kv_cache_bytes: int, threads: int) -> None:
         self.llm = LLM(
             model=model,
             max_model_len=2048,
             enable_prefix_caching=False,
             kv_cache_memory_bytes=kv_cache_bytes,
+            num_threads=threads,  # the CPU kernels' pool; torch's keeps one thread beside it
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._ids = 0
@@ -106,14 +107,23 @@ class Ours:
 class HF:
     name = "transformers"
 
-    def __init__(self, path: Path, batch: int) -> None:
+    def __init__(self, path: Path, batch: int, threads: int) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.model.generation_config.eos_token_id = None  # fixed length, like ignore_eos
         self.batch = batch
+        self.threads = threads
 
     def run(self, workload: Workload) -> Run:
+        before = torch.get_num_threads()  # ours runs torch ops on one thread
+        torch.set_num_threads(self.threads)
+        try:
+            return self._run(workload)
+        finally:
+            torch.set_num_threads(before)
+
+    def _run(self, workload: Workload) -> Run:
         start_cpu, start = _cpu_s(), time.perf_counter()
         latencies: list[float] = []
         for i in range(0, len(workload.prompts), self.batch):
@@ -231,7 +241,7 @@ def make_peers(args: argparse.Namespace, path: Path, kv_bytes: int) -> list:
     peers: list = []
     for peer in filter(None, args.peers.split(",")):
         if peer == "hf":
-            peers.append(HF(path, args.batch))
+            peers.append(HF(path, args.batch, args.threads))
         elif peer == "vllm":
             if not (VLLM_VENV / VLLM_STAMP).is_file():
                 print(
@@ -343,7 +353,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     kv_bytes = int(args.kv_cache_gib * (1 << 30))
-    ours = Ours(args.model, kv_bytes)
+    ours = Ours(args.model, kv_bytes, args.threads)
     peers = make_peers(args, path, kv_bytes)
     engines = [ours, *peers]
     encode = ours.tokenizer.encode
