@@ -233,6 +233,8 @@ class ModelRunner:
         )
         positions = torch.tensor(step.positions, device=self.device)
         hidden = self.model(ids, positions, self.kv_caches, meta, inputs_embeds=embeds)
+        if not step.sample_rows:  # a step of prefill chunks only
+            return hidden, hidden.new_empty(0, self.config.model.vocab_size)
         return hidden, self.model.compute_logits(hidden[step.sample_rows])
 
     def _forward_and_sample_static(
