@@ -15,7 +15,7 @@ a GPU host).
 
     python bench/graphs.py [--model smollm2-135m-instruct] [--device cpu|cuda]
         [--graph-mode inductor] [--compile-scope layer|step] [--batches 1,8,32]
-        [--tokens 32] [--repeats 3] [--random-weights] [--max-top-k K]
+        [--tokens 32] [--repeats 3] [--random-weights] [--max-top-k K] [--num-threads N]
         [--json bench/results/graphs.json]
 """
 
@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--max-top-k", type=int, default=None, help="the static sampler's bound")
+    parser.add_argument("--num-threads", type=int, default=None, help="default: usable cores")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -94,6 +95,7 @@ def main() -> None:
         max_num_batched_tokens=256,
         device=args.device,
         enable_prefix_caching=False,
+        num_threads=args.num_threads,
     )
     print(f"CPU: {cpu_model()}; {uptime()}")
     eager = LLM(model=str(path), **limits)
