@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from neuron_runtime.config import EngineConfig
 
@@ -123,15 +123,22 @@ def _budget_note(
 
 
 def weight_bytes(path: str | os.PathLike[str]) -> int:
-    """Bytes the folder's weights take once loaded as float32 (read from the headers only)."""
+    """Bytes the folder's weights take once loaded as float32 (read from the headers only).
+
+    A shard whose header does not read counts as nothing here: the budget is an estimate, and
+    loading the weights reports the broken file with its own error.
+    """
     total = 0
     for shard in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(shard, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
-                numel = 1
-                for dim in f.get_slice(name).get_shape():
-                    numel *= dim
-                total += numel * _DTYPE_BYTES
+        try:
+            with safe_open(shard, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
+                    numel = 1
+                    for dim in f.get_slice(name).get_shape():
+                        numel *= dim
+                    total += numel * _DTYPE_BYTES
+        except (OSError, SafetensorError):
+            continue
     return total
 
 
