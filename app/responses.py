@@ -116,9 +116,11 @@ def to_chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
-    items = [MessageItem(role="user", content=request.input)] if isinstance(
-        request.input, str
-    ) else request.input
+    items = (
+        [MessageItem(role="user", content=request.input)]
+        if isinstance(request.input, str)
+        else request.input
+    )
     for item in items:
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _chat_content(item.content)})
