@@ -185,3 +185,17 @@ def test_every_ray_node_exports_metrics_and_the_dashboard_reads_prometheus(name:
     (container,) = head["template"]["spec"]["containers"]
     env = {e["name"] for e in container["env"]}
     assert {"RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST"} <= env
+
+
+def test_the_shipped_manifests_by_name() -> None:
+    """rayservice-trn1.yaml, rayservice-trn2.yaml and rayservice-gpu.yaml, each rendered from
+    its Serve config (configs/serve/trn1.yaml, trn2.yaml, gpu.yaml); a RayService needs a
+    Kubernetes cluster with those nodes, so here they are validated, not deployed."""
+    names = {t: render_kuberay.TARGETS[t].manifest.name for t in TARGETS}
+    assert sorted(names.values()) == [
+        "rayservice-gpu.yaml",
+        "rayservice-trn1.yaml",
+        "rayservice-trn2.yaml",
+    ]
+    for target in TARGETS:
+        assert load(target)["kind"] == "RayService"

@@ -240,3 +240,24 @@ def wait_idle(app: str, details: dict[str, Any], timeout_s: float = 60.0) -> Non
             return
         assert time.monotonic() < deadline, f"{app} not idle: {busy}"
         time.sleep(0.3)
+
+
+# Every shipped Serve config by name, and how it is tested here: "deploy" files are deployed as
+# written on the test cluster; the others ask for accelerators this machine does not have
+# (neuron_cores, GPUs) and are checked only (schema, args against the models, accelerators).
+SHIPPED = {
+    "serve_config.yaml": "deploy",
+    "configs/serve/colocated.yaml": "deploy",
+    "configs/serve/epd.yaml": "deploy",
+    "configs/serve/gpu.yaml": "check",
+    "configs/serve/trn1.yaml": "check",
+    "configs/serve/trn2.yaml": "check",
+}
+
+
+def test_every_shipped_config_is_named_and_tested() -> None:
+    assert sorted(IDS) == sorted(SHIPPED)
+    for name, how in SHIPPED.items():
+        config = load(ROOT / name)
+        accelerated = asks_for_neuron_cores(config) or "num_gpus: 1" in (ROOT / name).read_text()
+        assert (how == "check") == accelerated, name
