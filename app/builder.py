@@ -125,6 +125,9 @@ class BuildArgs(BaseModel):
     model: str = "smollm2-135m-instruct"
     served_model_name: str | None = None
     max_model_len: int = Field(2048, ge=16)
+    # Threads of each engine replica's CPU kernels; unset, a replica takes its
+    # ray_actor_options.num_cpus rounded up (deployments/engine_replica.py).
+    num_threads: int | None = Field(None, ge=1)
     # Further EngineArgs fields (num_kv_blocks, max_num_seqs, ...); unknown names are rejected.
     engine_args: dict[str, Any] = Field(default_factory=dict)
     embedding_model: str | None = "all-minilm-l6-v2"
@@ -160,7 +163,7 @@ class BuildArgs(BaseModel):
             **self.engine_args,
             "model": self.model,
             "max_model_len": self.max_model_len,
-            "num_threads": 1,
+            "num_threads": self.num_threads,
         }
 
 
