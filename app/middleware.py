@@ -1,7 +1,10 @@
-"""Edge checks as one pure ASGI middleware: API key, content type and body size.
+"""Edge checks as one pure ASGI middleware: API key, content type and body size; and the
+request's root span when tracing is on (neuron_runtime/tracing.py).
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed responses and client disconnects pass through
-untouched. Ray Serve's proxy already echoes (or assigns) ``X-Request-Id``.
+untouched. Ray Serve's proxy already echoes (or assigns) ``X-Request-Id``. The root span covers
+the whole exchange, the streamed body included, and continues the client's trace when the
+request carries a W3C ``traceparent``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import error_body
+from neuron_runtime import tracing
 
 # Paths that stay open without the API key: probes and scrapes.
 OPEN_PATHS = ("/health", "/metrics")
@@ -32,6 +36,38 @@ class EdgeMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
+        path = scope["path"]
+        if not tracing.enabled() or path.endswith(OPEN_PATHS):
+            await self._handle(scope, receive, send, headers)
+            return
+        trace_headers = {
+            name: headers[name].decode("latin-1")
+            for name in ("traceparent", "tracestate")
+            if name in headers
+        }
+        attributes = {"http.request.method": scope["method"], "url.path": path}
+        request_id = headers.get("x-request-id")
+        if request_id:
+            attributes["http.request.header.x-request-id"] = request_id.decode("latin-1")[:64]
+        name = f"{scope['method']} {path}"
+        with tracing.root_span(name, trace_headers, attributes) as root:
+            if root is None:  # not sampled
+                await self._handle(scope, receive, send, headers)
+                return
+
+            async def traced_send(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    status = int(message["status"])
+                    root.set_attribute("http.response.status_code", status)
+                    if status >= 500:
+                        tracing.set_error(root, f"HTTP {status}")
+                await send(message)
+
+            await self._handle(scope, receive, traced_send, headers)
+
+    async def _handle(
+        self, scope: Scope, receive: Receive, send: Send, headers: dict[str, bytes]
+    ) -> None:
         path = scope["path"]
         if self.api_key is not None and not path.endswith(OPEN_PATHS):
             given = headers.get("authorization", b"")

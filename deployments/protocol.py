@@ -36,6 +36,9 @@ class EncodeRequest:
 
     content_hash: str
     data: bytes
+    # W3C trace context (traceparent, tracestate) of the caller's span when the request is
+    # traced (neuron_runtime/tracing.py); None otherwise.
+    trace_context: dict[str, str] | None = None
 
 
 @dataclass
@@ -60,6 +63,9 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
     images: list[ImagePart] = field(default_factory=list)
+    # W3C trace context (traceparent, tracestate) of the caller's span when the request is
+    # traced (neuron_runtime/tracing.py); None otherwise.
+    trace_context: dict[str, str] | None = None
 
 
 @dataclass
@@ -85,6 +91,8 @@ class StepOutput:
     error: str | None = None
     # Engine-side timings in seconds (set once known): waiting before the first schedule.
     queue_time_s: float | None = None
+    # On the first output of a prefill (or colocated) engine: first schedule to first token.
+    prefill_time_s: float | None = None
     # The serving replica's load after this step, on the last output only.
     stats: dict[str, Any] | None = field(default=None)
     # Disaggregated serving: on the prefill output, how long handing the KV over took; on
@@ -132,3 +140,6 @@ class DecodeRequest:
     sampling: dict[str, Any]
     handoff: KVHandoff
     images: list[ImagePart] = field(default_factory=list)  # for a recompute of the prompt
+    # W3C trace context (traceparent, tracestate) of the caller's span when the request is
+    # traced (neuron_runtime/tracing.py); None otherwise.
+    trace_context: dict[str, str] | None = None

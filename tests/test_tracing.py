@@ -1,0 +1,292 @@
+"""Request tracing (neuron_runtime/tracing.py, app/middleware.py, app/request_trace.py).
+
+Unit tests read the JSON-lines file the exporter writes (or the OTLP protobuf a local HTTP
+server receives) and check ids, parent links and timestamps against values fixed by the test:
+the client's traceparent, the engine stamps handed in. The end-to-end test at the bottom sends
+a chat request with a traceparent through the disaggregated app on the shared cluster and
+checks the span tree that the ingress, the PD router and the prefill and decode replicas wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from neuron_runtime import tracing
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+
+
+@pytest.fixture
+def trace_file(tmp_path: Path):
+    """Tracing on in this process, spans to a fresh JSON-lines file; off again afterwards."""
+    path = tmp_path / "traces.jsonl"
+    tracing.configure({"enabled": True, "file": str(path), "export_interval_s": 0.05}, "test")
+    try:
+        yield path
+    finally:
+        tracing.shutdown()
+
+
+def read_spans(path: Path) -> list[dict]:
+    tracing.flush()
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def by_name(spans: list[dict]) -> dict[str, dict]:
+    return {s["name"]: s for s in spans}
+
+
+# -- the tracer ------------------------------------------------------------------------------
+
+
+def test_off_every_hook_is_a_noop(tmp_path):
+    tracing.configure({"enabled": False, "file": str(tmp_path / "t.jsonl")}, "test")
+    assert not tracing.enabled()
+    with tracing.root_span("root", {"traceparent": TRACEPARENT}, {}) as root:
+        assert root is None
+        with tracing.span("child") as child:
+            assert child is None
+        assert tracing.start_span("x", {"traceparent": TRACEPARENT}) is None
+        assert tracing.inject() is None
+        tracing.engine_spans(None, "prefill", {"arrival_time": 0.0}, 1.0)
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_spans_continue_the_incoming_trace_across_a_serialized_hop(trace_file):
+    with tracing.root_span("POST /v1/chat/completions", {"traceparent": TRACEPARENT}, {}) as root:
+        assert root is not None
+        with tracing.span("ingress.chat_template", attributes={"n": 3}):
+            pass
+        carrier = tracing.inject()
+    # Another process: only the W3C headers travel (a request dataclass field).
+    assert carrier is not None and carrier["traceparent"].startswith(f"00-{TRACE_ID}-")
+    remote = tracing.start_span("prefill", json.loads(json.dumps(carrier)))
+    assert remote is not None
+    tracing.record_span("prefill.queue", remote, 1_000_000_000, 1_500_000_000)
+    tracing.end(remote)
+
+    spans = by_name(read_spans(trace_file))
+    assert set(spans) == {
+        "POST /v1/chat/completions",
+        "ingress.chat_template",
+        "prefill",
+        "prefill.queue",
+    }
+    assert {s["trace_id"] for s in spans.values()} == {TRACE_ID}
+    root_record = spans["POST /v1/chat/completions"]
+    assert root_record["parent_span_id"] == PARENT_ID  # the client's span
+    assert root_record["kind"] == "SERVER"
+    assert spans["ingress.chat_template"]["parent_span_id"] == root_record["span_id"]
+    assert spans["ingress.chat_template"]["attributes"] == {"n": 3}
+    assert spans["prefill"]["parent_span_id"] == root_record["span_id"]
+    assert spans["prefill.queue"]["parent_span_id"] == spans["prefill"]["span_id"]
+    queue = spans["prefill.queue"]
+    assert (queue["start_time_unix_nano"], queue["end_time_unix_nano"]) == (
+        1_000_000_000,
+        1_500_000_000,
+    )
+
+
+def test_sampling_ratio_and_the_incoming_sampled_flag(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    tracing.configure({"enabled": True, "file": str(path), "sample_ratio": 0.0}, "test")
+    try:
+        with tracing.root_span("unsampled", {}, {}) as root:
+            assert root is None
+            assert tracing.inject() is None
+            assert tracing.start_span("child") is None
+        # The client decided: sampled (flags 01) wins over the ratio ...
+        with tracing.root_span("client-sampled", {"traceparent": TRACEPARENT}, {}) as root:
+            assert root is not None
+        # ... and so does not sampled (flags 00).
+        unsampled = TRACEPARENT[:-2] + "00"
+        with tracing.root_span("client-unsampled", {"traceparent": unsampled}, {}) as root:
+            assert root is None
+        # A hop that carried an unsampled context records nothing either.
+        assert tracing.start_span("remote", {"traceparent": unsampled}) is None
+        assert [s["name"] for s in read_spans(path)] == ["client-sampled"]
+    finally:
+        tracing.shutdown()
+
+
+def test_ratio_one_starts_a_new_trace_without_traceparent(trace_file):
+    with tracing.root_span("root", {}, {}) as root:
+        assert root is not None
+    (record,) = read_spans(trace_file)
+    assert record["parent_span_id"] is None and len(record["trace_id"]) == 32
+    assert record["trace_id"] != TRACE_ID
+
+
+def test_engine_stamps_become_queue_and_compute_spans(trace_file):
+    now = time.monotonic()
+    metrics = {"arrival_time": now - 3.0, "first_scheduled_time": now - 2.0}
+    wall_now = time.time_ns()
+    with tracing.root_span("root", {"traceparent": TRACEPARENT}, {}) as root:
+        tracing.engine_spans(root, "decode", metrics, now - 0.5, {"neuron_serve.num_steps": 7})
+    spans = by_name(read_spans(trace_file))
+    queue, compute = spans["decode.queue"], spans["decode.compute"]
+    # The monotonic stamps land where the wall clock was at those instants (within 50 ms).
+    assert abs(queue["start_time_unix_nano"] - (wall_now - 3_000_000_000)) < 50_000_000
+    assert queue["end_time_unix_nano"] - queue["start_time_unix_nano"] == pytest.approx(
+        1e9, abs=1e6
+    )
+    assert compute["start_time_unix_nano"] == pytest.approx(queue["end_time_unix_nano"], abs=1e6)
+    assert compute["end_time_unix_nano"] - compute["start_time_unix_nano"] == pytest.approx(
+        1.5e9, abs=1e6
+    )
+    assert compute["attributes"] == {"neuron_serve.num_steps": 7}
+    assert {queue["parent_span_id"], compute["parent_span_id"]} == {spans["root"]["span_id"]}
+
+
+def test_an_exception_marks_the_span_as_an_error(trace_file):
+    with tracing.root_span("root", {}, {}), pytest.raises(ValueError), tracing.span("failing"):
+        raise ValueError("bad input")
+    spans = by_name(read_spans(trace_file))
+    assert spans["failing"]["status"]["code"] == "ERROR"
+    assert spans["failing"]["events"][0]["name"] == "exception"
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="sample_ratio"):
+        tracing.TracingConfig(enabled=True, sample_ratio=1.5)
+    with pytest.raises(ValueError, match="export_interval_s"):
+        tracing.TracingConfig(export_interval_s=0)
+
+
+def test_otlp_endpoint_from_config_or_the_standard_variables(monkeypatch):
+    for name in tracing.OTLP_ENDPOINT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert tracing.TracingConfig().otlp_url() is None
+    config = tracing.TracingConfig(otlp_endpoint="http://collector:4318/")
+    assert config.otlp_url() == "http://collector:4318/v1/traces"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    assert tracing.TracingConfig().otlp_url() == ""  # the exporter reads the variables
+
+
+class _Collector(BaseHTTPRequestHandler):
+    received: list[tuple[str, bytes]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.received.append((self.path, body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("how", ["config", "env"])
+def test_otlp_export_reaches_a_collector(how, monkeypatch, tmp_path):
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    for name in tracing.OTLP_ENDPOINT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    _Collector.received = []
+    server = HTTPServer(("127.0.0.1", 0), _Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_port}"
+    config = {"enabled": True, "file": str(tmp_path / "unused.jsonl")}
+    if how == "config":
+        config["otlp_endpoint"] = endpoint
+    else:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    tracing.configure(config, "test")
+    try:
+        with tracing.root_span("root", {"traceparent": TRACEPARENT}, {"k": "v"}):
+            tracing.record_span("child", None, 10, 20)
+        tracing.flush()
+    finally:
+        tracing.shutdown()
+        server.shutdown()
+    assert not (tmp_path / "unused.jsonl").exists()
+    spans = []
+    for path, body in _Collector.received:
+        assert path == "/v1/traces"
+        request = ExportTraceServiceRequest.FromString(body)
+        for resource_spans in request.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                spans.extend(scope_spans.spans)
+    assert sorted(s.name for s in spans) == ["child", "root"]
+    assert {s.trace_id.hex() for s in spans} == {TRACE_ID}
+
+
+# -- the edge --------------------------------------------------------------------------------
+
+
+def _edge_app():
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from app.middleware import EdgeMiddleware
+
+    api = FastAPI()
+    api.add_middleware(EdgeMiddleware, api_key=None, max_body_bytes=1 << 20)
+
+    @api.post("/v1/echo")
+    async def echo() -> StreamingResponse:
+        async def body():
+            with tracing.span("inside-stream"):
+                yield b"a"
+            yield b"b"
+
+        with tracing.span("handler"):
+            pass
+        return StreamingResponse(body())
+
+    @api.get("/health")
+    async def health() -> dict:
+        return {}
+
+    return api
+
+
+def test_middleware_root_span_honours_traceparent_and_covers_the_stream(trace_file):
+    transport = httpx.ASGITransport(app=_edge_app())
+
+    async def calls() -> None:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            response = await client.post(
+                "/v1/echo",
+                headers={"traceparent": TRACEPARENT, "content-type": "application/json"},
+                content=b"{}",
+            )
+            assert response.text == "ab"
+            assert (await client.get("/health")).status_code == 200
+            response = await client.post(
+                "/v1/echo", headers={"content-type": "text/plain"}, content=b"{}"
+            )
+            assert response.status_code == 415
+
+    import asyncio
+
+    asyncio.run(calls())
+    spans = read_spans(trace_file)
+    roots = [s for s in spans if s["kind"] == "SERVER"]
+    assert [r["attributes"]["http.response.status_code"] for r in roots] == [200, 415]
+    traced, rejected = roots
+    assert traced["trace_id"] == TRACE_ID and traced["parent_span_id"] == PARENT_ID
+    assert traced["name"] == "POST /v1/echo"
+    assert rejected["trace_id"] != TRACE_ID and rejected["parent_span_id"] is None
+    children = by_name([s for s in spans if s["kind"] != "SERVER"])
+    assert set(children) == {"handler", "inside-stream"}  # /health is not traced
+    for child in children.values():
+        assert child["parent_span_id"] == traced["span_id"]
+        assert traced["start_time_unix_nano"] <= child["start_time_unix_nano"]
+        assert child["end_time_unix_nano"] <= traced["end_time_unix_nano"]
