@@ -6,8 +6,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from neuron_runtime.config import SchedulerConfig
 from neuron_runtime.kv_cache import KVCacheManager
 from neuron_runtime.kv_transfer import KVPayload
@@ -15,6 +13,7 @@ from neuron_runtime.multimodal import MultiModalInput, images_overlapping
 from neuron_runtime.request import Request, RequestStatus
 from neuron_runtime.sampling_params import SamplingParams
 from neuron_runtime.structured_output import StructuredOutputManager
+from neuron_runtime.structured_output.bitmask import BitmaskRow
 
 
 @dataclass
@@ -41,8 +40,8 @@ class ScheduledSeq:
     # Images with placeholders inside this slice (whole inputs; the runner cuts their rows).
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
     # Grammar-constrained sampling slice: the tokens the grammar allows next, a
-    # [ceil(vocab / 32)] int32 bitmask row (structured_output/bitmask.py).
-    grammar_bitmask: torch.Tensor | None = None
+    # [ceil(vocab / 32)] int32 bitmask row, filled while the step runs (structured_output/).
+    grammar_bitmask: BitmaskRow | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ import json
 import re
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from neuron_runtime.structured_output import (
     apply_grammar_bitmasks,
     apply_token_bitmask,
 )
+from neuron_runtime.structured_output.bitmask import BitmaskRow
 from neuron_runtime.tokenizer import Tokenizer
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -89,7 +91,10 @@ def test_apply_token_bitmask_equals_a_token_by_token_mask(vocab):
     # Fewer words than the vocabulary needs: the tokens past them are not allowed.
     short = apply_token_bitmask(logits, bitmask[:, :1], torch.tensor(rows))
     assert torch.isinf(short[rows, 32:]).all()
-    per_row = apply_grammar_bitmasks(logits, [bitmask[1], None, bitmask[2], None, bitmask[0]])
+    filled: Future[None] = Future()
+    filled.set_result(None)
+    row = [BitmaskRow(bitmask, i, filled) for i in range(3)]
+    per_row = apply_grammar_bitmasks(logits, [row[1], None, row[2], None, row[0]])
     assert torch.equal(per_row, got)
 
 
@@ -147,8 +152,8 @@ def test_compile_is_cached_by_content_and_bad_grammars_raise(compiler):
             compiler.submit(StructuredOutputsParams(**fields)).future.result(timeout=30)
 
 
-def allowed(row: torch.Tensor, token: int) -> bool:
-    return bool((int(row[token // 32]) >> (token % 32)) & 1)
+def allowed(row: BitmaskRow, token: int) -> bool:
+    return bool((int(row.get()[token // 32]) >> (token % 32)) & 1)
 
 
 @pytest.mark.parametrize(
@@ -181,6 +186,46 @@ def test_eos_is_allowed_exactly_when_the_text_is_complete(
         if i < len(ids):
             assert allowed(row, ids[i])
             assert manager.accept("r", ids[i])
+    manager.release("r")
+    assert manager.num_states == 0
+
+
+def test_the_mask_fills_on_its_thread_and_matchers_wait_for_the_fill(
+    compiler, tokenizer, monkeypatch
+):
+    """bitmask() returns while the fill runs (the step's forward pass goes on meanwhile); the
+    sampler's get() and any change to a matcher wait for it."""
+    import llguidance.torch
+
+    real_fill = llguidance.torch.fill_next_token_bitmask_par
+    go, fill_threads = threading.Event(), []
+
+    def held_fill(*args):
+        fill_threads.append(threading.current_thread().name)
+        go.wait(timeout=30)
+        return real_fill(*args)
+
+    monkeypatch.setattr(llguidance.torch, "fill_next_token_bitmask_par", held_fill)
+    manager = StructuredOutputManager(compiler)
+    manager.add("r", StructuredOutputsParams(regex="[0-9]{3}"))
+    while not manager.status("r", [])[0]:
+        manager.wait_for_compiles(0.1)
+    row = manager.bitmask(["r"])["r"]
+    assert not row.filled.done()
+    (digit,) = tokenizer.encode("7", add_special_tokens=False)
+    accepted: list[bool] = []
+    accepting = threading.Thread(target=lambda: accepted.append(manager.accept("r", digit)))
+    accepting.start()
+    accepting.join(timeout=0.2)
+    assert accepting.is_alive() and not accepted, "accept() changed a matcher mid-fill"
+    go.set()
+    accepting.join(timeout=30)
+    assert accepted == [True]
+    assert fill_threads and fill_threads[0].startswith("grammar-bitmask")
+    assert fill_threads[0] != threading.current_thread().name
+    (letter,) = tokenizer.encode("a", add_special_tokens=False)
+    assert allowed(row, digit) and not allowed(row, letter)
+    assert not allowed(row, tokenizer.eos_token_id)
     manager.release("r")
     assert manager.num_states == 0
 

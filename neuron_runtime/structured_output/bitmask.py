@@ -5,13 +5,34 @@
 A row of all ones (-1) allows every token, so a static-shape sampler can pass a full
 [B, W] bitmask with -1 rows for unconstrained requests; the dynamic runner passes only the
 constrained rows and their row indices. The scheduler hands each constrained sampling slice
-its row (``ScheduledSeq.grammar_bitmask``), filled before the step runs.
+its row (``ScheduledSeq.grammar_bitmask``, a ``BitmaskRow``): the manager fills the step's
+bitmask on a worker thread while the forward pass runs, and the sampler waits for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class BitmaskRow:
+    """Row ``index`` of a step's bitmask ``batch`` [R, ceil(V / 32)] int32, which a worker
+    thread may still be filling (``filled`` completes when it is done)."""
+
+    batch: torch.Tensor
+    index: int
+    filled: Future[Any]
+
+    def get(self) -> torch.Tensor:
+        """The row, [ceil(V / 32)] int32, once filled; raises what a failed fill raised."""
+        self.filled.result()
+        return self.batch[self.index]
 
 _BYTE_BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -59,12 +80,14 @@ def apply_token_bitmask(
 
 
 def apply_grammar_bitmasks(
-    logits: torch.Tensor, bitmasks: list[torch.Tensor | None]
+    logits: torch.Tensor, bitmasks: Sequence[BitmaskRow | None]
 ) -> torch.Tensor:
-    """Masks each row of ``logits`` [B, V] that has a bitmask row ([ceil(V / 32)] int32, on
-    the CPU); rows with None (unconstrained requests) are left as they are."""
+    """Masks each row of ``logits`` [B, V] that has a bitmask row (on the CPU; waits for its
+    fill); rows with None (unconstrained requests) are left as they are."""
     rows = [row for row, bitmask in enumerate(bitmasks) if bitmask is not None]
     if not rows:
         return logits
-    stacked = torch.stack([bitmasks[row] for row in rows]).to(logits.device)  # type: ignore[misc]
-    return apply_token_bitmask(logits, stacked, torch.tensor(rows, device=logits.device))
+    stacked = torch.stack([bitmasks[row].get() for row in rows])  # type: ignore[union-attr]
+    return apply_token_bitmask(
+        logits, stacked.to(logits.device), torch.tensor(rows, device=logits.device)
+    )

@@ -6,20 +6,25 @@ Lifecycle of a constrained request:
     status()    the scheduler admits the request once its grammar is ready; the matcher
                 is created then and consumes the output tokens the request already has
                 (a KV handoff's first token, or tokens kept across a preemption)
-    bitmask()   before each step: one bitmask row per constrained request that samples
+    bitmask()   before each step: one bitmask row per constrained request that samples,
+                filled on the fill thread while the step's forward pass runs
     accept()    after each step: the sampled token advances the matcher
     release()   when the request ends, whatever the reason
+
+A fill reads the matchers of its batch: every call that creates, advances or drops a matcher
+(status, accept, release, the next bitmask) first waits for the running fill to end, so a
+matcher is never read and changed at once. llguidance releases the GIL while it fills, so
+the fill overlaps the forward pass where a core is free.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from neuron_runtime.structured_output.bitmask import BitmaskRow
 from neuron_runtime.structured_output.compiler import CompileJob, GrammarCompiler
 
 
@@ -37,6 +42,8 @@ class StructuredOutputManager:
         self.compiler = compiler
         self.states: dict[str, _GrammarState] = {}
         self._executor: Any = None  # llguidance.LLExecutor, made with the first bitmask
+        self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
+        self._filling: Future[None] | None = None  # the last step's fill
 
     def add(self, req_id: str, params: Any) -> None:
         """Starts compiling the request's grammar (``params``: StructuredOutputsParams)."""
@@ -51,6 +58,7 @@ class StructuredOutputManager:
         state = self.states.get(req_id)
         if state is None:
             return True, None
+        self._wait_for_fill()
         if state.matcher is None:
             future, started = state.job.future, state.job.started_at
             if not future.done():
@@ -74,29 +82,43 @@ class StructuredOutputManager:
         state = self.states.get(req_id)
         if state is None:
             return True
+        self._wait_for_fill()
         state.num_consumed += 1
         return bool(state.matcher.consume_token(token_id))
 
-    def bitmask(self, req_ids: list[str]) -> dict[str, torch.Tensor]:
+    def bitmask(self, req_ids: list[str]) -> dict[str, BitmaskRow]:
         """The allowed tokens of each constrained request among ``req_ids`` (the requests
-        that sample this step): a [ceil(V / 32)] int32 row each, views of one batch tensor."""
+        that sample this step): a row each of one [R, ceil(V / 32)] int32 batch, which the
+        fill thread fills while this returns at once (``BitmaskRow.get`` waits for it)."""
         import llguidance
         import llguidance.torch
 
         constrained = [r for r in req_ids if r in self.states]
         if not constrained:
             return {}
+        self._wait_for_fill()
         if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=1)
         bitmask = llguidance.torch.allocate_token_bitmask(
             len(constrained), self.compiler.vocab_size
         )  # [R, ceil(V / 32)] int32
         matchers = [(self.states[r].matcher, i) for i, r in enumerate(constrained)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
-        return {r: bitmask[i] for i, r in enumerate(constrained)}
+        filled = self._fill_thread.submit(
+            llguidance.torch.fill_next_token_bitmask_par, self._executor, matchers, bitmask
+        )
+        self._filling = filled
+        return {r: BitmaskRow(bitmask, i, filled) for i, r in enumerate(constrained)}
 
     def release(self, req_id: str) -> None:
-        self.states.pop(req_id, None)
+        if req_id in self.states:
+            self._wait_for_fill()
+            del self.states[req_id]
+
+    def _wait_for_fill(self) -> None:
+        """Waits until the last fill ended (its error, if any, reaches the sampler)."""
+        if self._filling is not None:
+            wait([self._filling])
+            self._filling = None
 
     def wait_for_compiles(self, timeout_s: float) -> None:
         """Blocks until a pending compile finishes or ``timeout_s`` passes (an idle engine

@@ -128,7 +128,7 @@ def sampling_inputs(
             allowed[torch.tensor(seq.params.allowed_token_ids, device=device)] = True
             bias[row].masked_fill_(~allowed, float("-inf"))
         if seq.grammar_bitmask is not None:
-            mask = seq.grammar_bitmask.to(device).unsqueeze(0)
+            mask = seq.grammar_bitmask.get().to(device).unsqueeze(0)
             bias[row] += bitmask_bias(mask, vocab, bias.dtype)[0]
         if seq.banned_token_ids:
             bias[row, seq.banned_token_ids] = float("-inf")
