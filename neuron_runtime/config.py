@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from neuron_runtime.spec_decode.config import SpeculativeConfig
+
 
 def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     """``hf_config["text_config"]`` for a vision-language model, else ``hf_config`` itself."""
@@ -162,6 +164,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     graph: GraphConfig = field(default_factory=GraphConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         sched = self.scheduler
@@ -173,4 +176,9 @@ class EngineConfig:
                 "without chunked prefill, max_num_batched_tokens "
                 f"({sched.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.model.max_model_len}) so every prompt fits in one step"
+            )
+        if self.speculative is not None and self.graph.static:
+            raise ValueError(
+                "speculative_config runs with graph_mode 'eager' only (the static runner has "
+                "no k+1-token verify buckets yet)"
             )

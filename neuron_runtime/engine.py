@@ -26,6 +26,8 @@ from neuron_runtime.outputs import RequestOutput, RequestOutputKind
 from neuron_runtime.request import Request, RequestStatus
 from neuron_runtime.sampling_params import SamplingParams
 from neuron_runtime.scheduler import Scheduler, SchedulerOutput
+from neuron_runtime.spec_decode.decoder import SpecDecoder
+from neuron_runtime.spec_decode.metrics import SpecDecodeStats
 from neuron_runtime.structured_output import GrammarCompiler, StructuredOutputManager
 from neuron_runtime.tokenizer import Tokenizer
 
@@ -53,6 +55,8 @@ class EngineStats:
     num_kv_blocks_held: int = 0
     num_kv_reads: int = 0  # block reads in flight (decode role)
     num_grammar_states: int = 0  # grammar-constrained requests (compiling or running)
+    # Speculative decoding counters (vLLM's spec_decode metrics); None without speculation.
+    spec_decode: SpecDecodeStats | None = None
 
 
 @dataclass
@@ -91,6 +95,10 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.kv_layout = cache_layout(self.runner.kv_caches)
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:
+            self.spec = SpecDecoder(config, self.runner, self.kv)
+            self.runner.spec = self.spec
         self._handoffs: dict[str, KVHandoff] = {}  # parent id -> handoff waiting for its output
         self._reads: dict[str, _BlockRead] = {}  # req_id -> its KV arriving by block read
         self._orphan_reads: list[_BlockRead] = []  # reads whose request ended or restarted
@@ -204,7 +212,7 @@ class LLMEngine:
             runnable = dataclasses.replace(
                 runnable, seqs=runnable.seqs + [s for s in scheduled.seqs if s.req_id in failed]
             )
-        updated = self.scheduler.update(runnable, result.sampled, result.failed)
+        updated = self.scheduler.update(runnable, result.sampled, result.failed, result.accepted)
         self._hand_off(updated)
         outputs, stopped = self.output_processor.process(updated, result.logprobs)
         for child_id in stopped:
@@ -212,6 +220,8 @@ class LLMEngine:
         for request in updated:
             if request.status.finished:
                 self.runner.release(request.req_id)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         for output in outputs:
             handoff = self._handoffs.pop(output.request_id, None) if output.finished else None
             if handoff is not None:
@@ -362,6 +372,7 @@ class LLMEngine:
             num_kv_blocks_held=self.kv.num_held_blocks,
             num_kv_reads=len(self._reads) + len(self._orphan_reads),
             num_grammar_states=self.structured.num_states,
+            spec_decode=None if self.spec is None else self.spec.stats(),
         )
 
     def _images(

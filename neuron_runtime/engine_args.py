@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from neuron_runtime.backends.base import default_graph_mode
 from neuron_runtime.config import (
@@ -24,6 +25,7 @@ from neuron_runtime.kv_budget import (
 from neuron_runtime.loader import load_hf_config
 from neuron_runtime.model_store import resolve_model
 from neuron_runtime.models.registry import complete_config
+from neuron_runtime.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -52,6 +54,9 @@ class EngineArgs:
     max_top_k: int | None = None
     on_recompile: str = "warn"
     compile_scope: str | None = None
+    # Speculative decoding, vLLM's keys (spec_decode/config.py): {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_max": 3}, draft_model, eagle, eagle3.
+    speculative_config: dict[str, Any] | None = None
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
@@ -100,7 +105,13 @@ class EngineArgs:
                 on_recompile=self.on_recompile,
                 compile_scope=self.compile_scope,
             ),
+            speculative=self._speculative_config(),
         )
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def _plan_kv_cache(self, model: ModelConfig, limit: int) -> KVPlan:
         if not 0 < self.kv_cache_memory_fraction <= 1:

@@ -203,6 +203,14 @@ class KVCacheManager:
         request.block_table.extend(b.block_id for b in blocks)
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Frees the request's blocks past those ``num_tokens`` tokens need (the slots of
+        rejected draft tokens)."""
+        keep = -(-num_tokens // self.block_size)
+        if len(request.block_table) > keep:
+            self.pool.free(request.block_table[keep:])
+            del request.block_table[keep:]
+
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the request's blocks that became full of computed tokens."""
         if not self.enable_prefix_caching:

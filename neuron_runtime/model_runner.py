@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from neuron_runtime.sampler import (
 from neuron_runtime.scheduler import ScheduledSeq, SchedulerOutput
 from neuron_runtime.structured_output import apply_grammar_bitmasks
 
+if TYPE_CHECKING:
+    from neuron_runtime.spec_decode.decoder import SpecDecoder
+
 
 @dataclass
 class ModelRunnerOutput:
@@ -46,6 +49,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     # req_id -> per predicted prompt token, {token id: logprob} (the actual token + top-N)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # req_id -> draft tokens the target accepted, before its ``sampled`` token (spec_decode/)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 CPU = torch.device("cpu")
@@ -72,6 +77,9 @@ class StepInputs:
     sample_seqs: list[ScheduledSeq] = field(default_factory=list)
     prompt_rows: list[tuple[ScheduledSeq, int]] = field(default_factory=list)  # (slice, row)
     image_rows: list[tuple[ScheduledSeq, int]] = field(default_factory=list)  # (slice, row)
+    # Speculative slices and the row of their first verified position (the request's last
+    # token); their ``num_spec_tokens + 1`` rows are verified by ``spec`` (spec_decode/).
+    verify: list[tuple[ScheduledSeq, int]] = field(default_factory=list)
 
 
 def _decodes_first(seq: ScheduledSeq) -> tuple[bool, int]:
@@ -115,6 +123,8 @@ class ModelRunner:
         # on the CPU (the same draws as the CPU engine's).
         self.generator_device = self.device if self.device.type in ("cpu", "cuda") else CPU
         self.static: StaticRunner | None = None
+        # Speculative decoding (spec_decode/SpecDecoder), set by the engine when configured.
+        self.spec: SpecDecoder | None = None
         if config.graph.static:
             self.static = StaticRunner(config, self.model, self.kv_caches, self.num_blocks, backend)
             self.static.warm_up()
@@ -187,7 +197,10 @@ class ModelRunner:
         # row instead of V is 85x less work.
         nan_rows = torch.isnan(last_hidden).any(dim=-1)
         tokens = self.sample_tokens(step.sample_seqs, logits) if step.sample_seqs else None
-        return self.outputs(step, hidden, logits, tokens, nan_rows)
+        result = self.outputs(step, hidden, logits, tokens, nan_rows)
+        if self.spec is not None:
+            self.spec.after_forward(step, hidden, result)
+        return result
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         """Orders the slices (decodes first, shortest context first: the torch ops batch them
@@ -214,7 +227,9 @@ class ModelRunner:
                 num_blocks = -(-(seq.start_pos + n) // bs)
                 block_ids = torch.tensor(seq.block_table[:num_blocks], device=self.device)
                 step.prefills.append(PrefillSlice(q_start, n, seq.start_pos, block_ids))
-            if seq.sample:
+            if seq.num_spec_tokens:
+                step.verify.append((seq, len(step.input_ids) - seq.num_spec_tokens - 1))
+            elif seq.sample:
                 step.sample_rows.append(len(step.input_ids) - 1)
                 step.sample_seqs.append(seq)
         return step

@@ -77,6 +77,9 @@ class Request:
         self.kv_import: KVPayload | None = None
         # Images of the prompt, in prompt order, their features computed (kept for recompute).
         self.mm_inputs: list[MultiModalInput] = mm_inputs or []
+        # Draft tokens proposed after the last token (spec_decode/): the next step feeds them
+        # with it, and the target keeps those it accepts.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -42,6 +42,9 @@ class ScheduledSeq:
     # Grammar-constrained sampling slice: the tokens the grammar allows next, a
     # [ceil(vocab / 32)] int32 bitmask row, filled while the step runs (structured_output/).
     grammar_bitmask: BitmaskRow | None = None
+    # The last ``num_spec_tokens`` of ``token_ids`` are draft tokens to verify (spec_decode/):
+    # every position from the request's last token on is sampled.
+    num_spec_tokens: int = 0
 
 
 @dataclass
@@ -120,7 +123,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_spec = len(request.spec_token_ids)
+            num_new = min(request.num_tokens + num_spec - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -207,10 +211,12 @@ class Scheduler:
             request.num_prompt_logprobs = first + len(targets)
         return ScheduledSeq(
             req_id=request.req_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=(request.all_token_ids + request.spec_token_ids)[start:end]
+            if request.spec_token_ids
+            else request.all_token_ids[start:end],
             start_pos=start,
             block_table=list(request.block_table),
-            sample=end == request.num_tokens,
+            sample=end >= request.num_tokens,
             params=request.params,
             banned_token_ids=request.banned_token_ids(),
             prompt_token_ids=request.prompt_token_ids if penalized else [],
@@ -218,23 +224,32 @@ class Scheduler:
             prompt_logprob_targets=targets,
             prompt_logprob_offset=offset,
             mm_inputs=images_overlapping(request.mm_inputs, start, end),
+            num_spec_tokens=max(0, end - request.num_tokens),
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update(
-        self, output: SchedulerOutput, sampled: dict[str, int], failed: dict[str, str]
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        failed: dict[str, str],
+        accepted: dict[str, list[int]] | None = None,
     ) -> list[Request]:
         """Advances requests by the step's tokens; returns those that got a token or failed.
 
         ``sampled`` maps req_id -> new token for each slice that sampled; ``failed`` maps
         req_id -> error for rows the model could not produce (those requests end with an error).
+        ``accepted`` maps req_id -> the draft tokens the target accepted (speculative slices),
+        which come before that slice's sampled token; rejected drafts' KV is left behind
+        ``num_computed_tokens`` (the next step overwrites it) and their blocks are freed.
         """
         updated, self._grammar_failed = self._grammar_failed, []
         for seq in output.seqs:
@@ -246,21 +261,33 @@ class Scheduler:
                 self.finish(seq.req_id, RequestStatus.FINISHED_ERROR)
                 updated.append(request)
                 continue
-            request.num_computed_tokens += len(seq.token_ids)
+            request.num_computed_tokens += len(seq.token_ids) - seq.num_spec_tokens
+            request.spec_token_ids = []
             self.kv.cache_full_blocks(request)
             if request.req_id in self.held_forks and seq.sample:
                 self._release_forks(request.req_id)
             token = sampled.get(seq.req_id)
             if token is None:
                 continue
-            request.append_token(token)
             updated.append(request)
-            if self.structured is not None and not self.structured.accept(request.req_id, token):
-                request.error = "no token the grammar allows was left to sample"
-                self.finish(request.req_id, RequestStatus.FINISHED_ERROR)
-                continue
-            if request.check_stop(self.max_model_len):
-                self.finish(request.req_id, request.status)
+            drafts = accepted.get(seq.req_id, []) if accepted else []
+            for i, new_token in enumerate([*drafts, token]):
+                request.append_token(new_token)
+                if i < len(drafts):  # an accepted draft: its KV is computed
+                    request.num_computed_tokens += 1
+                    self.kv.cache_full_blocks(request)
+                if self.structured is not None and not self.structured.accept(
+                    request.req_id, new_token
+                ):
+                    request.error = "no token the grammar allows was left to sample"
+                    self.finish(request.req_id, RequestStatus.FINISHED_ERROR)
+                    break
+                if request.check_stop(self.max_model_len):
+                    self.finish(request.req_id, request.status)
+                    break
+            else:
+                if seq.num_spec_tokens:
+                    self.kv.trim(request, request.num_tokens)
         return updated
 
     def finish(self, req_id: str, status: RequestStatus) -> Request | None:
