@@ -11,9 +11,10 @@ which Ray Serve's own tracing may hold) and exporter:
 
 Only the ingress starts traces (``root_span``), sampled there with ``sample_ratio`` unless the
 client's W3C ``traceparent`` says whether it is sampled. Every other span needs a recording
-parent: the current span, a span passed in, or the W3C headers a request carried across a Ray
-hop (``inject`` -> a request dataclass -> ``parent=``). Without one a call does nothing, so an
-unsampled request or a process with tracing off pays one ``is None`` test per hook.
+parent: the current span (``CURRENT``, the default), a span passed in, or the W3C headers a
+request carried across a Ray hop (``inject`` -> a request dataclass -> ``parent=``). Without one
+(``None``: an untraced request) a call does nothing, so an unsampled request or a process with
+tracing off pays one ``is None`` test per hook.
 
 Engine phases are not traced step by step: the engine stamps each request (arrival, first
 scheduled, first token; ``RequestOutput.metrics``, monotonic seconds) and ``engine_spans``
@@ -44,8 +45,16 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 OTLP_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 DEFAULT_TRACE_FILE = "/tmp/neuron-serve/traces.jsonl"
 
-# A parent: a span, the W3C headers a request carried, or None for the current span.
-Parent = Span | Mapping[str, str] | None
+
+class _Current:
+    def __repr__(self) -> str:
+        return "CURRENT"
+
+
+# The current span as the parent (the default); None as a parent means: not traced.
+CURRENT = _Current()
+# A parent: a span, the W3C headers a request carried, CURRENT, or None (no-op).
+Parent = Span | Mapping[str, str] | _Current | None
 Attributes = Mapping[str, Any]
 
 
@@ -219,6 +228,8 @@ def enabled() -> bool:
 def _parent_context(parent: Parent) -> Context | None:
     """The context to start a child in, or None when there is no recording parent."""
     if parent is None:
+        return None
+    if isinstance(parent, _Current):
         span = trace.get_current_span()
     elif isinstance(parent, Mapping):
         span = trace.get_current_span(_propagator.extract(parent))
@@ -255,7 +266,7 @@ def root_span(
 
 @contextlib.contextmanager
 def span(
-    name: str, parent: Parent = None, attributes: Attributes | None = None
+    name: str, parent: Parent = CURRENT, attributes: Attributes | None = None
 ) -> Iterator[Span | None]:
     """A child span around a block, current inside it; yields None (and records nothing)
     without a recording parent. Exceptions mark it as an error. Not for blocks that span an
@@ -272,7 +283,7 @@ def span(
 
 def start_span(
     name: str,
-    parent: Parent = None,
+    parent: Parent = CURRENT,
     attributes: Attributes | None = None,
     start_ns: int | None = None,
 ) -> Span | None:
@@ -334,7 +345,7 @@ def current_span() -> Span | None:
     return span if span.is_recording() else None
 
 
-def inject(parent: Parent = None) -> dict[str, str] | None:
+def inject(parent: Parent = CURRENT) -> dict[str, str] | None:
     """The W3C headers (``traceparent``, ``tracestate``) that continue ``parent``'s trace in
     another process; None when there is nothing to continue (tracing off, not sampled)."""
     if _tracer is None:

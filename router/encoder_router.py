@@ -14,17 +14,21 @@ import asyncio
 from ray.serve.handle import DeploymentHandle
 
 from deployments.protocol import EncodeRequest, EncodeResult, ImagePart
+from neuron_runtime import tracing
 
 
 class EncoderRouter:
     def __init__(self, encoder: DeploymentHandle) -> None:
         self.encoder = encoder
 
-    async def encode(self, images: list[ImagePart]) -> tuple[list[ImagePart], list[EncodeResult]]:
+    async def encode(
+        self, images: list[ImagePart], trace_context: dict[str, str] | None = None
+    ) -> tuple[list[ImagePart], list[EncodeResult]]:
         """The images with their features refs, and one EncodeResult per distinct image.
 
         ValueError (an image that does not decode) reaches the caller; if the caller is
         cancelled (client gone), every encode call still in flight is cancelled with it.
+        A traced request (``trace_context``) gets one ``encoder`` span per distinct image.
         """
         distinct: dict[str, bytes] = {}
         for part in images:
@@ -36,15 +40,37 @@ class EncoderRouter:
                 distinct.setdefault(part.content_hash, part.data)
         if not distinct:
             return images, []
+        spans = {
+            key: tracing.start_span(
+                "encoder", trace_context, {"neuron_serve.image.content_hash": key[:16]}
+            )
+            for key in distinct
+        }
         responses = [
-            self.encoder.encode.remote(EncodeRequest(key, data)) for key, data in distinct.items()
+            self.encoder.encode.remote(EncodeRequest(key, data, tracing.inject(spans[key])))
+            for key, data in distinct.items()
         ]
         try:
             results: list[EncodeResult] = await asyncio.gather(*responses)
-        except BaseException:
+        except BaseException as exc:
             for response in responses:
                 response.cancel()
+            for span in spans.values():
+                tracing.end(span, exc)
             raise
+        for result in results:
+            span = spans[result.content_hash]
+            tracing.set_attributes(
+                span,
+                {
+                    "neuron_serve.encoder.cache_hit": result.cache_hit,
+                    "neuron_serve.encoder.replica": result.replica_id,
+                    "neuron_serve.encoder.queue_seconds": result.queue_seconds,
+                    "neuron_serve.encoder.encode_seconds": result.encode_seconds,
+                    "neuron_serve.encoder.num_bytes": result.num_bytes,
+                },
+            )
+            tracing.end(span)
         features = {r.content_hash: r.features for r in results}
         encoded = [
             part

@@ -98,6 +98,17 @@ def test_spans_continue_the_incoming_trace_across_a_serialized_hop(trace_file):
     )
 
 
+def test_an_untraced_request_records_nothing_even_under_a_current_span(trace_file):
+    with tracing.root_span("root", {}, {}) as root:
+        assert root is not None
+        # A request that crossed a hop without trace context (parent None) is not traced.
+        assert tracing.start_span("remote", None) is None
+        assert tracing.inject(None) is None
+        with tracing.span("child", None) as child:
+            assert child is None
+    assert [s["name"] for s in read_spans(trace_file)] == ["root"]
+
+
 def test_sampling_ratio_and_the_incoming_sampled_flag(tmp_path):
     path = tmp_path / "traces.jsonl"
     tracing.configure({"enabled": True, "file": str(path), "sample_ratio": 0.0}, "test")
@@ -210,7 +221,7 @@ def test_otlp_export_reaches_a_collector(how, monkeypatch, tmp_path):
     tracing.configure(config, "test")
     try:
         with tracing.root_span("root", {"traceparent": TRACEPARENT}, {"k": "v"}):
-            tracing.record_span("child", None, 10, 20)
+            tracing.record_span("child", tracing.CURRENT, 10, 20)
         tracing.flush()
     finally:
         tracing.shutdown()
@@ -290,3 +301,34 @@ def test_middleware_root_span_honours_traceparent_and_covers_the_stream(trace_fi
         assert child["parent_span_id"] == traced["span_id"]
         assert traced["start_time_unix_nano"] <= child["start_time_unix_nano"]
         assert child["end_time_unix_nano"] <= traced["end_time_unix_nano"]
+
+
+def test_route_decision_span_names_the_replica_and_why(trace_file):
+    from types import SimpleNamespace
+
+    from router.route_trace import RouteTrace
+
+    route = RouteTrace("prefill")
+    with tracing.root_span("root", {}, {}):
+        carrier = tracing.inject()
+    request = SimpleNamespace(trace_context=carrier)
+    pending = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="r1"), created_at=100.0)
+    untraced = SimpleNamespace(trace_context=None)
+    other = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="r2"), created_at=100.0)
+    seen = {"neuron_serve.route.queue_lengths": [3, 0]}
+    route.note(pending, request, seen)
+    route.note(other, untraced, seen)
+    route.routed(other, "b", "queue_length")  # not traced: nothing recorded
+    route.routed(pending, "a", "prefix_match", match_share=0.75)
+    route.routed(pending, "a", "prefix_match")  # once per routing
+    spans = by_name(read_spans(trace_file))
+    assert set(spans) == {"root", "route.prefill"}
+    span = spans["route.prefill"]
+    assert span["parent_span_id"] == spans["root"]["span_id"]
+    assert span["start_time_unix_nano"] == 100 * 10**9
+    assert span["attributes"] == {
+        "neuron_serve.route.queue_lengths": [3, 0],
+        "neuron_serve.route.replica": "a",
+        "neuron_serve.route.reason": "prefix_match",
+        "neuron_serve.route.match_share": 0.75,
+    }
