@@ -100,10 +100,12 @@ class SpecDecoder:
             self.proposer.release(req_id)
         requests, counts = [], []
         for request in running:
+            if not speculates(request):
+                self.proposer.release(request.req_id)  # it never drafts: keep no state
+                continue
             if (
                 request.status != RequestStatus.RUNNING
                 or request.num_computed_tokens != request.num_tokens - 1
-                or not speculates(request)
                 or self._backing_off(request.req_id)
             ):
                 continue
