@@ -13,6 +13,10 @@ manifest differs from what the command renders now. The cluster around it comes 
   node's NeuronCores to Ray as ``neuron_cores`` in the group's ``resources`` map (KubeRay
   v1.7; the Ray autoscaler reads custom resources from there, pod limits name devices, not
   cores); on GPU nodes KubeRay derives the GPU count from ``nvidia.com/gpu``;
+- on Trainium the accelerator pods also take every EFA interface of their node
+  (``vpc.amazonaws.com/efa``, from the EFA device plugin) and the libfabric settings of
+  ``EFA_ENV``: the Trainium Serve configs move KV between prefill and decode replicas with
+  NIXL's LIBFABRIC backend, RDMA over EFA;
 - ``enableInTreeAutoscaling``: Serve's replica demand adds and removes worker pods;
 - every Ray node exports metrics on port 8080 (the ``metrics`` container port a PodMonitor
   scrapes), and the head's dashboard reads Prometheus and Grafana (RAY_PROMETHEUS_HOST,
@@ -49,6 +53,19 @@ DASHBOARD_ENV = {
     "RAY_GRAFANA_HOST": "http://prometheus-grafana.prometheus-system.svc:80",
     "RAY_GRAFANA_IFRAME_HOST": "http://127.0.0.1:3000",
 }
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+# libfabric's EFA provider as NIXL's LIBFABRIC backend uses it inside a Ray worker pod.
+EFA_ENV = {
+    # Only the EFA provider: a pod without its interfaces fails instead of falling back to TCP.
+    "FI_PROVIDER": "efa",
+    # RDMA reads straight from the remote side's registered memory (trn1/trn2 support it).
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    # A replica may fork (compile workers, subprocesses) after its KV cache is registered:
+    # keep registered pages out of the child, and take libfabric's bounce buffers from normal
+    # pages (huge-page buffers make fork fail with ENOMEM).
+    "FI_EFA_FORK_SAFE": "1",
+    "FI_EFA_USE_HUGE_PAGE": "0",
+}
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,7 @@ class AcceleratorGroup:
     device_limits: dict[str, int]  # Kubernetes extended resources: the node's devices
     taint_key: str
     ray_resources: dict[str, int] = field(default_factory=dict)  # the group's `resources` map
+    efa_interfaces: int = 0  # EFA interfaces of the instance type, all taken by the pod
     max_nodes: int = 1
     cache_env: str = "NEURON_COMPILE_CACHE_URL"
     env: dict[str, str] = field(default_factory=dict)
@@ -85,7 +103,8 @@ TARGETS = {
         Target(
             "trn1",
             ROOT / "configs" / "serve" / "trn1.yaml",
-            # trn1.32xlarge: 16 Trainium chips = 32 NeuronCores, 128 vCPUs, 512 GiB.
+            # trn1.32xlarge: 16 Trainium chips = 32 NeuronCores, 128 vCPUs, 512 GiB, 8 EFA
+            # interfaces (800 Gbps).
             AcceleratorGroup(
                 group_name="neuron",
                 instance_type="trn1.32xlarge",
@@ -94,13 +113,14 @@ TARGETS = {
                 device_limits={"aws.amazon.com/neuron": 16},
                 taint_key="aws.amazon.com/neuron",
                 ray_resources={"neuron_cores": 32},
+                efa_interfaces=8,
             ),
         ),
         Target(
             "trn2",
             ROOT / "configs" / "serve" / "trn2.yaml",
             # trn2.48xlarge: 16 Trainium2 chips = 64 logical NeuronCores at LNC=2, 192 vCPUs,
-            # 2 TiB.
+            # 2 TiB, 16 EFA interfaces (EFAv3, 3.2 Tbps).
             AcceleratorGroup(
                 group_name="neuron",
                 instance_type="trn2.48xlarge",
@@ -109,6 +129,7 @@ TARGETS = {
                 device_limits={"aws.amazon.com/neuron": 16},
                 taint_key="aws.amazon.com/neuron",
                 ray_resources={"neuron_cores": 64},
+                efa_interfaces=16,
                 env={"NEURON_LOGICAL_NC_CONFIG": "2"},
             ),
         ),
@@ -178,9 +199,11 @@ def manifest(target: Target, image: str = DEFAULT_IMAGE) -> dict[str, Any]:
     metrics = {"metrics-export-port": str(METRICS_PORT)}
     head = _container("ray-head", image, 4, "16Gi", {}, {**DASHBOARD_ENV, **cache_env})
     cpu_worker = _container("ray-worker", image, 16, "64Gi", {}, cache_env)
-    acc_worker = _container(
-        "ray-worker", image, acc.cpu, acc.memory, acc.device_limits, {**cache_env, **acc.env}
-    )
+    devices, acc_env = dict(acc.device_limits), {**cache_env, **acc.env}
+    if acc.efa_interfaces:
+        devices[EFA_RESOURCE] = acc.efa_interfaces
+        acc_env.update(EFA_ENV)
+    acc_worker = _container("ray-worker", image, acc.cpu, acc.memory, devices, acc_env)
     acc_group: dict[str, Any] = {
         "groupName": acc.group_name,
         "replicas": 1,

@@ -27,6 +27,7 @@ from ray.serve._private.autoscaling_state import _resolve_policy_callable  # noq
 from ray.serve.config import AutoscalingPolicy  # noqa: E402
 
 from app import render_kuberay  # noqa: E402
+from app.builder import BuildArgs  # noqa: E402
 from app.config_check import DEVICE_RESOURCES, ENGINE_DEPLOYMENTS, check_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,6 +173,44 @@ def test_accelerator_pods_land_on_their_nodes_with_a_shared_compile_cache(name: 
     assert "ReadWriteMany" in claim["spec"]["accessModes"]
     if name.startswith("trn"):
         assert group["resources"]["neuron_cores"] == str(acc.ray_resources["neuron_cores"])
+
+
+# EFA interfaces per instance type (AWS's published instance specifications).
+EFA_INTERFACES = {"trn1.32xlarge": 8, "trn2.48xlarge": 16}
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_trainium_pods_take_their_nodes_efa_for_nixl_libfabric(name: str) -> None:
+    """KV between prefill and decode pods goes over EFA: the accelerator pods ask the EFA
+    device plugin for every interface of their node, set libfabric's EFA provider, and the
+    Serve config's disaggregated apps move KV with NIXL's LIBFABRIC backend."""
+    acc = render_kuberay.TARGETS[name].accelerator
+    manifest = load(name)
+    cluster = manifest["spec"]["rayClusterConfig"]
+    containers = {
+        group.get("groupName", "head"): group["template"]["spec"]["containers"][0]
+        for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    }
+    serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    pd_apps = [BuildArgs(**a["args"]) for a in serve_config["applications"]]
+    pd_apps = [a for a in pd_apps if a.mode == "disaggregated"]
+    efa = "vpc.amazonaws.com/efa"
+    for group, container in containers.items():
+        resources = container["resources"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        if group != acc.group_name or acc.instance_type not in EFA_INTERFACES:
+            assert efa not in resources["limits"] and "FI_PROVIDER" not in env, group
+            continue
+        count = EFA_INTERFACES[acc.instance_type]
+        # Extended resources: requests equal to limits, or Kubernetes refuses the pod.
+        assert resources["limits"][efa] == resources["requests"][efa] == count
+        assert env["FI_PROVIDER"] == "efa"
+        assert env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+        assert env["FI_EFA_FORK_SAFE"] == "1"
+        assert pd_apps, "the Trainium config has disaggregated apps"
+        for args in pd_apps:
+            assert args.disaggregation.kv_transport == "nixl"
+            assert args.disaggregation.kv_nixl_backend == "LIBFABRIC"
 
 
 @pytest.mark.parametrize("name", TARGETS)
