@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,7 +39,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -192,7 +193,9 @@ def configure(config: TracingConfig | Mapping[str, Any] | None, role: str) -> No
         {"service.name": config.service_name, "service.role": role, "process.pid": os.getpid()}
     )
     provider = TracerProvider(
-        resource=resource, sampler=ParentBased(TraceIdRatioBased(config.sample_ratio))
+        # A child follows its parent's sampled flag; root_span samples new traces itself.
+        resource=resource,
+        sampler=ParentBased(ALWAYS_ON),
     )
     provider.add_span_processor(
         BatchSpanProcessor(exporter, schedule_delay_millis=config.export_interval_s * 1000)
@@ -253,7 +256,14 @@ def root_span(
     if _tracer is None:
         yield None
         return
-    context = _propagator.extract(headers) if "traceparent" in headers else None
+    if "traceparent" in headers:
+        context = _propagator.extract(headers)  # the client decided whether it is sampled
+    elif _configured is not None and random.random() >= _configured.sample_ratio:
+        # Not sampled: decided before the SDK builds a (non-recording) span, which costs more.
+        yield None
+        return
+    else:
+        context = None
     span = _tracer.start_span(name, context, SpanKind.SERVER, attributes)
     if not span.is_recording():
         yield None
