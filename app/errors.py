@@ -87,3 +87,9 @@ def install_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = str(exc.detail) or HTTPStatus(exc.status_code).phrase
         return error_response(OpenAIError(exc.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Anything nobody turned into an OpenAIError (a replica lost mid-call, a bug) still
+        # gets the OpenAI body; only the exception's type leaves the server.
+        return error_response(OpenAIError(500, f"internal error ({type(exc).__name__})"))

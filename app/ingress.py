@@ -61,6 +61,7 @@ from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.multimodal import place_images, vision_spec
 from neuron_runtime.structured_output import GrammarCompiler, StructuredOutputsParams
 from neuron_runtime.tokenizer import Tokenizer
+from router.streams import StepSubscriber
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class OpenAIIngress:
         self.config = IngressConfig(**config)
         self.llm = llm
         self.llm_stream = llm.options(stream=True)
+        # Tokens after a request's first come over step channels, one message per engine
+        # step for all of this replica's requests on an engine (or PD router) replica.
+        self.steps = StepSubscriber(self.llm_stream, "ingress")
         self.embedder = embedder
         engine_config = EngineArgs(**self.config.engine_args).create_engine_config()
         self.tokenizer = Tokenizer(engine_config.model.path)
@@ -302,8 +306,20 @@ class OpenAIIngress:
         return Generation(list(streams), seq_texts, timer)
 
     async def _open(self, request: GenerateRequest) -> PromptStream:
-        # A stream=True handle: remote() returns a DeploymentResponseGenerator.
-        stream = cast(DeploymentResponseGenerator, self.llm_stream.generate.remote(request))
+        self.steps.expect(request.request_id)
+        try:
+            return await self._submit(request)
+        except BaseException:
+            self.steps.forget(request.request_id)
+            raise
+
+    async def _submit(self, request: GenerateRequest) -> PromptStream:
+        # A stream=True handle: remote() returns a DeploymentResponseGenerator; it carries the
+        # first step, the step channel the rest.
+        stream = cast(
+            DeploymentResponseGenerator,
+            self.llm_stream.generate.remote(request, self.steps.subscriber),
+        )
         try:
             first = await stream.__anext__()
         except BackPressureError as exc:
@@ -321,7 +337,7 @@ class OpenAIIngress:
             if isinstance(getattr(exc, "cause", None), BackPressureError):
                 raise self._overloaded() from exc
             raise OpenAIError(500, f"generation failed: {_first_line(exc)}") from exc
-        return PromptStream(first, stream)
+        return PromptStream(first, self.steps.follow(request.request_id, first, stream))
 
     def _overloaded(self) -> OpenAIError:
         return OpenAIError(
@@ -675,7 +691,8 @@ class OpenAIIngress:
 
 def build_fastapi(ingress: OpenAIIngress) -> FastAPI:
     """The HTTP surface; routes are closures over the replica's ingress object."""
-    api = FastAPI(title="neuron-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # The schema of every route (clients, fuzzers); no interactive docs pages.
+    api = FastAPI(title="neuron-serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_handlers(api)
     api.add_middleware(
         EdgeMiddleware,

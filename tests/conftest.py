@@ -176,6 +176,37 @@ def serve_cluster():
         ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def fuzz_app(serve_cluster, tiny_llava_path):
+    """The disaggregated app as app "fuzz" (its base URL): encode -> prefill -> decode on the
+    tiny LLaVA served as "tiny", plus the embedding model, one replica each, deployed through
+    the config path. A 256-token context and a 64-block KV cache, so hostile requests reach
+    their limits fast."""
+    from chaos.harness import deploy
+    from ray import serve
+
+    args = {
+        "mode": "disaggregated",
+        "model": str(tiny_llava_path),
+        "served_model_name": "tiny",
+        "max_model_len": 256,
+        "embedding_model": "all-minilm-l6-v2",
+        "max_body_bytes": 4 << 20,
+        "engine_args": {"num_kv_blocks": 64},
+        "multimodal": {"encoder": "separate"},
+    }
+    names = ("OpenAIIngress", "PDRouter", "VisionEncoder", "PrefillServer", "DecodeServer")
+    deployments = [
+        {"name": name, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.05}}
+        for name in (*names, "EmbeddingServer")
+    ]
+    deploy("fuzz", "/fuzz", args, deployments, int(serve_cluster.rsplit(":", 1)[1]))
+    try:
+        yield f"{serve_cluster}/fuzz"
+    finally:
+        serve.delete("fuzz")
+
+
 # Tiny random configs of the other families; each sets what makes that family differ.
 TINY_FAMILIES = {
     "qwen2": (
