@@ -1,4 +1,4 @@
-"""``neuron-serve generate`` and ``neuron-serve chat``: the engine from a terminal."""
+"""``neuron-serve generate``, ``chat`` and ``validate``: the engine from a terminal."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 
+from neuron_runtime.accuracy.command import add_validate_command, run_validate
 from neuron_runtime.async_engine import AsyncEngine
 from neuron_runtime.config import GRAPH_MODES
 from neuron_runtime.engine_args import EngineArgs
@@ -115,8 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
     _add_engine_args(chat)
     chat.add_argument("--system", default=None, help="optional system message")
+    add_validate_command(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "validate":
+            parser.exit(run_validate(args))
         asyncio.run(_generate(args) if args.command == "generate" else _chat(args))
     except ValueError as exc:
         parser.exit(2, f"error: {exc}\n")

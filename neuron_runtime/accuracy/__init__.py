@@ -11,7 +11,13 @@ from neuron_runtime.accuracy.snapshot import (
     load_snapshot,
     load_snapshots,
 )
-from neuron_runtime.accuracy.validate import PromptSpec, ValidationReport, load_prompts, validate
+from neuron_runtime.accuracy.validate import (
+    PromptSpec,
+    ValidationReport,
+    Validator,
+    load_prompts,
+    validate,
+)
 
 __all__ = [
     "TOLERANCES",
@@ -23,6 +29,7 @@ __all__ = [
     "SnapshotRecorder",
     "Tolerance",
     "ValidationReport",
+    "Validator",
     "check_request_kv",
     "compare_kv",
     "compare_logits",

@@ -21,9 +21,10 @@ class Tolerance:
 
     ``atol + rtol * max|reference logit|`` bounds the largest absolute logit error; ``kl`` the
     KL divergence of our next-token distribution from the reference's; ``topk`` the share of
-    the reference's top-k tokens found in ours (tokens whose reference logit ties the k-th
-    within the position's error count as found). ``module_rtol`` bounds a module output's
-    largest error relative to the largest reference value (the accuracy debugger).
+    the reference's top-k tokens found in ours (a token whose reference logit is within twice
+    the allowed error of the k-th largest counts as found: such near ties may swap).
+    ``module_rtol`` bounds a module output's largest error relative to the largest reference
+    value (the accuracy debugger).
     """
 
     atol: float
@@ -101,9 +102,10 @@ def compare_logits(
     scale = ref.abs().amax(dim=-1)  # [P]
     ref_logp = ref.log_softmax(dim=-1)
     kl = (ref_logp.exp() * (ref_logp - ours.log_softmax(dim=-1))).sum(dim=-1).clamp_min(0)
-    agree = topk_agreement(ours, ref, k, 2 * diff)
+    bound = tol.atol + tol.rtol * scale  # [P]: the error allowed at each position
+    agree = topk_agreement(ours, ref, k, 2 * bound)
     top1 = ours.argmax(dim=-1) == ref.argmax(dim=-1)
-    ok = (diff <= tol.atol + tol.rtol * scale) & (kl <= tol.kl) & (agree >= tol.topk)
+    ok = (diff <= bound) & (kl <= tol.kl) & (agree >= tol.topk)
     return [
         PositionErrors(
             position=i,

@@ -215,6 +215,72 @@ class ValidationReport:
         return "\n".join(lines)
 
 
+class Validator:
+    """Our model (the engine's runner) and transformers' reference, loaded once for any number
+    of ``run`` calls. ``dtype`` is the reference's; the engine computes in float32."""
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        num_threads: int | None = None,
+    ) -> None:
+        if dtype not in TOLERANCES:
+            raise ValueError(f"dtype must be one of {sorted(TOLERANCES)}, got {dtype!r}")
+        self.model_name = model
+        self.dtype = dtype
+        path = resolve_model(model)
+        self.architecture = (load_hf_config(path).get("architectures") or ["?"])[0]
+        self.reference = Reference(path, self.architecture, dtype)
+        self.ours: OurModel | OurEncoder
+        if self.reference.is_encoder:
+            self.ours = OurEncoder(model, device, num_threads)
+        else:
+            self.ours = _our_model(model, path, device, num_threads)
+
+    def samples(self, prompts: list[PromptSpec] | None, max_new_tokens: int) -> list[Sample]:
+        """The prompts (default: ``default_prompts``) tokenized and continued by the
+        reference's greedy tokens (none for an encoder)."""
+        specs = prompts if prompts is not None else default_prompts(self.ours.vision is not None)
+        ours = self.ours
+        return [
+            self.reference.continue_greedy(
+                tokenize_prompt(ours.tokenizer, ours.vision, s.name, s.prompt, list(s.images)),
+                max_new_tokens,
+            )
+            for s in specs
+        ]
+
+    def run(
+        self,
+        prompts: list[PromptSpec] | None = None,
+        max_new_tokens: int = 8,
+        top_k: int = 5,
+        tolerance: Tolerance | None = None,
+        debug: bool = True,
+        snapshot_dir: str | Path | None = None,
+    ) -> ValidationReport:
+        """Compares every sample (module docstring); ``debug`` runs the accuracy debugger on
+        the first failing one (writing both sides' module outputs as snapshots under
+        ``snapshot_dir`` when given)."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        tol = tolerance or TOLERANCES[self.dtype]
+        samples = self.samples(prompts, max_new_tokens)
+        report = ValidationReport(self.model_name, self.architecture, self.dtype, tol, top_k)
+        for sample in samples:
+            report.samples.append(_compare(self.ours, self.reference, sample, tol, top_k))
+        failed = [s for s, r in zip(samples, report.samples, strict=True) if not r.passed]
+        if debug and failed:
+            report.divergence = find_divergence(
+                self.ours, self.reference, failed[0], tol, snapshot_dir
+            )
+        return report
+
+
 def validate(
     model: str,
     dtype: str = "float32",
@@ -227,40 +293,9 @@ def validate(
     debug: bool = True,
     snapshot_dir: str | Path | None = None,
 ) -> ValidationReport:
-    """Compares the model's logits with transformers' (module docstring); ``debug`` runs the
-    accuracy debugger on the first failing sample (writing both sides' module outputs as
-    snapshots under ``snapshot_dir`` when given)."""
-    if dtype not in TOLERANCES:
-        raise ValueError(f"dtype must be one of {sorted(TOLERANCES)}, got {dtype!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    tol = tolerance or TOLERANCES[dtype]
-    path = resolve_model(model)
-    architecture = (load_hf_config(path).get("architectures") or ["?"])[0]
-    reference = Reference(path, architecture, dtype)
-    ours: OurModel | OurEncoder
-    if reference.is_encoder:
-        ours = OurEncoder(model, device, num_threads)
-        max_new_tokens = 0
-    else:
-        ours = _our_model(model, path, device, num_threads)
-    specs = prompts if prompts is not None else default_prompts(ours.vision is not None)
-    samples = [
-        reference.continue_greedy(
-            tokenize_prompt(ours.tokenizer, ours.vision, s.name, s.prompt, list(s.images)),
-            max_new_tokens,
-        )
-        for s in specs
-    ]
-    report = ValidationReport(model, architecture, dtype, tol, top_k)
-    for sample in samples:
-        report.samples.append(_compare(ours, reference, sample, tol, top_k))
-    failed = next((s for s, r in zip(samples, report.samples, strict=True) if not r.passed), None)
-    if debug and failed is not None:
-        report.divergence = find_divergence(ours, reference, failed, tol, snapshot_dir)
-    return report
+    """``Validator(model, dtype, device, num_threads).run(...)``: one validation."""
+    validator = Validator(model, dtype, device, num_threads)
+    return validator.run(prompts, max_new_tokens, top_k, tolerance, debug, snapshot_dir)
 
 
 def _our_model(model: str, path: Path, device: str, num_threads: int | None) -> OurModel:
