@@ -48,6 +48,7 @@ from neuron_runtime.kv_layout import (
     cache_regions,
     read_descriptors,
     region_addresses,
+    use_huge_pages,
 )
 from neuron_runtime.kv_transfer import KVBlockSource, KVHandoff, KVPayload, KVTransferError
 
@@ -112,8 +113,14 @@ class NixlTransport(KVTransport):
         kv_caches = engine.runner.kv_caches
         self.layout = cache_layout(kv_caches)
         name = f"neuron-kv-{uuid.uuid4().hex[:12]}"
+        # No progress thread: NIXL's polls without pause and takes a whole core per replica
+        # (two of this box's two with a prefill and a decode replica). Reads progress where
+        # they are polled (the decode engine's step), notifications where they are collected
+        # (_watch_holds on the prefill replica).
         config = nixl_agent_config(
-            backends=[self.backend], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            enable_prog_thread=False,
+            backends=[self.backend],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         try:
             agent = nixl_agent(name, config)
@@ -124,7 +131,17 @@ class NixlTransport(KVTransport):
                 f"NIXL backend {self.backend!r} is not available here (plugins: "
                 f"{agent.get_plugin_list()})"
             )
-        self._registration = agent.register_memory(cache_regions(kv_caches))
+        regions = cache_regions(kv_caches)
+        huge = use_huge_pages(regions)
+        logger.info(
+            "NIXL agent %s (%s): KV cache of %d regions registered, %.0f of %.0f MiB in huge pages",
+            name,
+            self.backend,
+            len(regions),
+            huge / 2**20,
+            sum(r.numel() * r.element_size() for r in regions) / 2**20,
+        )
+        self._registration = agent.register_memory(regions)
         self.agent = agent
         self._addresses = region_addresses(kv_caches)
         info = NixlAgentInfo(name, agent.get_agent_metadata(), self._addresses, self.layout)
