@@ -154,6 +154,40 @@ class GraphConfig:
         return "layer" if self.graph_mode == "inductor" else "step"
 
 
+COLLECTIVE_BACKENDS = ("gloo", "nccl", "xla")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine replica spans processes (neuron_runtime/parallel/).
+
+    ``tensor_parallel_size`` ranks hold a shard of every layer (one process each);
+    ``enable_expert_parallel`` spreads a mixture-of-experts model's experts over those ranks
+    instead of slicing every expert; ``data_parallel_size`` replicas each run the whole model
+    on their own requests. ``collective_backend`` None: the device's (gloo on CPU, nccl on
+    CUDA, xla on XLA/Neuron devices).
+    """
+
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    data_parallel_size: int = 1
+    collective_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.collective_backend not in (None, *COLLECTIVE_BACKENDS):
+            raise ValueError(
+                f"collective_backend must be one of {', '.join(COLLECTIVE_BACKENDS)}, "
+                f"got {self.collective_backend!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs; built by ``EngineArgs.create_engine_config``."""
@@ -164,6 +198,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     graph: GraphConfig = field(default_factory=GraphConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:

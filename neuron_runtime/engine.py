@@ -19,10 +19,11 @@ from neuron_runtime.kv_transfer import (
     KVPayload,
     KVTransferError,
 )
-from neuron_runtime.model_runner import ModelRunner, ModelRunnerOutput
+from neuron_runtime.model_runner import ModelRunnerOutput
 from neuron_runtime.multimodal import MultiModalInput, check_placeholders
 from neuron_runtime.output_processor import OutputProcessor
 from neuron_runtime.outputs import RequestOutput, RequestOutputKind
+from neuron_runtime.parallel.executor import make_runner
 from neuron_runtime.request import Request, RequestStatus
 from neuron_runtime.sampling_params import SamplingParams
 from neuron_runtime.scheduler import Scheduler, SchedulerOutput
@@ -72,7 +73,7 @@ class LLMEngine:
         self.config = config
         self.backend = get_backend(config.device, config.num_threads, config.graph.graph_mode)
         self.tokenizer = Tokenizer(config.model.path)
-        self.runner = ModelRunner(config, self.backend)
+        self.runner = make_runner(config, self.backend)  # rank 0 of a TP group when sharded
         self.vision = self.runner.vision  # None for a text-only model
         block_size = config.cache.block_size
         capacity = self.runner.num_blocks * block_size

@@ -11,6 +11,7 @@ from neuron_runtime.config import (
     EngineConfig,
     GraphConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     text_config,
 )
@@ -25,6 +26,7 @@ from neuron_runtime.kv_budget import (
 from neuron_runtime.loader import load_hf_config
 from neuron_runtime.model_store import resolve_model
 from neuron_runtime.models.registry import complete_config
+from neuron_runtime.parallel.checks import check_shardable
 from neuron_runtime.spec_decode.config import SpeculativeConfig
 
 
@@ -54,6 +56,10 @@ class EngineArgs:
     max_top_k: int | None = None
     on_recompile: str = "warn"
     compile_scope: str | None = None
+    # One replica over several processes (neuron_runtime/parallel/).
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    data_parallel_size: int = 1
     # Speculative decoding, vLLM's keys (spec_decode/config.py): {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 3}, draft_model, eagle, eagle3.
     speculative_config: dict[str, Any] | None = None
@@ -73,6 +79,12 @@ class EngineArgs:
             max_model_len=self.max_model_len or limit,
             name=self.model,
         )
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
+            data_parallel_size=self.data_parallel_size,
+        )
+        check_shardable(model, parallel)
         plan = self._plan_kv_cache(model, limit)
         model = replace(model, max_model_len=plan.max_model_len)
         max_model_len = model.max_model_len
@@ -106,6 +118,7 @@ class EngineArgs:
                 compile_scope=self.compile_scope,
             ),
             speculative=self._speculative_config(),
+            parallel=parallel,
         )
 
     def _speculative_config(self) -> SpeculativeConfig | None:

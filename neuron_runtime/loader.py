@@ -11,6 +11,8 @@ from typing import Any, Protocol, cast
 import torch
 from safetensors import safe_open
 
+from neuron_runtime.parallel.loading import checkpoint_slicer, finish_loading
+
 PathLike = str | os.PathLike[str]
 
 
@@ -29,19 +31,32 @@ def load_hf_config(path: PathLike) -> dict[str, Any]:
 
 
 def iter_weights(
-    path: PathLike, keep: Callable[[str], bool] | None = None
+    path: PathLike,
+    keep: Callable[[str], bool] | None = None,
+    rank_slice: Callable[[str], tuple[int, int, int] | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every weight in the folder, floating tensors as float32.
 
     Tensors are read one at a time, so peak memory is one checkpoint tensor beyond the model.
     ``keep`` selects by name: the others are never read (a vision tower skips the LM).
+    ``rank_slice`` (tensor parallelism) gives the (dim, start, length) part of a tensor this
+    rank holds, or None for all of it: only that part is read from the file; a part of length
+    0 (an expert held by another rank) skips the tensor.
     """
     for shard in _safetensors_files(Path(path)):
         with safe_open(shard, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
                 if keep is not None and not keep(name):
                     continue
-                tensor = f.get_tensor(name)
+                part = rank_slice(name) if rank_slice is not None else None
+                if part is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    dim, start, length = part
+                    if length == 0:
+                        continue
+                    index = (slice(None),) * dim + (slice(start, start + length),)
+                    tensor = f.get_slice(name)[index]
                 yield name, tensor.float() if tensor.is_floating_point() else tensor
 
 
@@ -56,7 +71,9 @@ def load_model(
     """
     model = model_cls(hf_config)
     # nn.Module declares no load_weights; every model class in neuron_runtime.models has one.
-    cast(WeightLoadable, model).load_weights(iter_weights(path))
+    weights = iter_weights(path, rank_slice=checkpoint_slicer(model))
+    cast(WeightLoadable, model).load_weights(weights)
+    finish_loading(model)
     return model.eval()
 
 

@@ -25,6 +25,7 @@ from neuron_runtime.loader import load_model
 from neuron_runtime.models.llava import LlavaForConditionalGeneration
 from neuron_runtime.models.registry import model_class
 from neuron_runtime.multimodal import ImageProcessorConfig, VisionEncoder
+from neuron_runtime.parallel.layers import local_kv_heads
 from neuron_runtime.sampler import (
     SamplingBatch,
     apply_allowed_tokens,
@@ -110,7 +111,10 @@ class ModelRunner:
         m = config.model
         # The static runner pads into one more block, never handed out (its null block).
         extra = 1 if config.graph.static else 0
-        shape = (m.num_kv_heads, self.num_blocks + extra, self.block_size, m.head_dim)
+        # Under tensor parallelism this rank's cache holds only its kv heads.
+        self.kv_heads = local_kv_heads(m.text_config["num_attention_heads"], m.num_kv_heads)
+        num_kv_heads = self.kv_heads.stop - self.kv_heads.start
+        shape = (num_kv_heads, self.num_blocks + extra, self.block_size, m.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, device=self.device),
@@ -162,7 +166,8 @@ class ModelRunner:
         with warnings.catch_warnings():
             # A read-only view of shared memory (Ray's object store): torch only reads it.
             warnings.simplefilter("ignore", UserWarning)
-            kv = torch.from_numpy(payload.kv).to(self.device)  # [2, L, kvh, T, d]
+            # [2, L, kvh, T, d]: this rank's heads of the model's
+            kv = torch.from_numpy(payload.kv[:, :, self.kv_heads]).to(self.device)
         for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
             kvh, num_blocks, bs, d = k_cache.shape
             k_cache.view(kvh, num_blocks * bs, d).index_copy_(1, slots, kv[0, layer])

@@ -23,6 +23,14 @@ from neuron_runtime.layers.linear import Linear
 from neuron_runtime.layers.logits import LogitsHead
 from neuron_runtime.layers.norm import RMSNorm
 from neuron_runtime.layers.rotary import RotaryEmbedding, rope_parameters
+from neuron_runtime.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    ParallelLogitsHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -31,7 +39,9 @@ class LlamaAttention(nn.Module):
     """Self-attention of one layer over the paged cache.
 
     ``layer_idx`` lets families whose layers differ (sliding vs global) pick per layer;
-    ``qkv_bias`` overrides the config's ``attention_bias`` for q/k/v only (Qwen2).
+    ``qkv_bias`` overrides the config's ``attention_bias`` for q/k/v only (Qwen2). Under
+    tensor parallelism the layer holds this rank's heads (parallel/layers.py): ``num_heads``
+    and ``num_kv_heads`` count those.
     """
 
     ops: Ops = TORCH_OPS
@@ -41,16 +51,20 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // num_heads
         self.scale = self.head_dim**-0.5
         bias = bool(cfg.get("attention_bias", False))
         qkv_bias = bias if qkv_bias is None else qkv_bias
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=bias)
+        qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias)
+        self.qkv_proj: Linear = qkv_proj
+        shard = qkv_proj.heads
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        q_part = (shard.q_start * self.head_dim, self.q_size)
+        self.o_proj = RowParallelLinear(q_part, hidden, bias=bias)
         self.sliding_window: int | None = None  # sees only the last this-many positions
         self.softcap: float | None = None  # tanh cap on attention scores (Gemma)
 
@@ -91,8 +105,9 @@ class LlamaMLP(nn.Module):
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         self.act_fn = activation(hidden_act or cfg.get("hidden_act", "silu"))
         self.intermediate_size = inter
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = Linear(inter, hidden, bias=False)
+        self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], bias=False)
+        self.intermediate_size_per_rank = self.gate_up_proj.output_sizes[0]
+        self.down_proj = RowParallelLinear(self.gate_up_proj.parts[0], hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.act_fn))
@@ -140,7 +155,7 @@ class LlamaModel(nn.Module):
         layer_cls: LayerFactory = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.layers = nn.ModuleList(
             layer_cls(cfg, i, attention_cls) for i in range(cfg["num_hidden_layers"])
         )
@@ -188,13 +203,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = self.build_model(cfg)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            # A plain nn.Linear: only its weight is used, by logits_head (the CPU kernels leave
-            # it unpacked, for the head keeps its own packed copy).
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-        self.logits_head = LogitsHead()
+        self.lm_head: ParallelLMHead | None = None
+        if not self.tie_word_embeddings:
+            # Only its weight is used, by logits_head (which keeps its own packed copy).
+            self.lm_head = ParallelLMHead(cfg["hidden_size"], cfg["vocab_size"])
+        self.logits_head: LogitsHead = ParallelLogitsHead(cfg["vocab_size"])
 
     def build_model(self, cfg: dict[str, Any]) -> LlamaModel:
         """The decoder stack; other families return theirs (another attention or layer)."""
@@ -232,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
-            target, shard = self._target(name)
+            target, shard = self.checkpoint_target(name)
             if target not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
@@ -253,21 +266,20 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
         self.logits_head.refresh(self.lm_head_weight)
 
-    def _target(self, name: str) -> tuple[str, int | None]:
+    def checkpoint_target(self, name: str) -> tuple[str, int | None]:
+        """A checkpoint tensor's parameter here, and its part of a fused one (or None)."""
         for hf_name, (ours, shard) in self.stacked_params.items():
             if f".{hf_name}." in name:
                 return name.replace(f".{hf_name}.", f".{ours}."), shard
         return name, None
 
     def _shard_view(self, target: str, data: torch.Tensor, shard: int) -> torch.Tensor:
-        cfg = self.config
+        # The fused layer's parts on this rank: [q, k, v] or [gate, up] output sizes.
+        owner: Any = self.get_submodule(target.rsplit(".", 2)[0])  # the attention or MLP
         if ".qkv_proj." in target:
-            heads = cfg["num_attention_heads"]
-            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-            kv_size = (cfg.get("num_key_value_heads") or heads) * head_dim
-            sizes = [heads * head_dim, kv_size, kv_size]
+            sizes = [owner.q_size, owner.kv_size, owner.kv_size]
         else:
-            sizes = [cfg["intermediate_size"]] * 2
+            sizes = [owner.intermediate_size_per_rank] * 2
         start = sum(sizes[:shard])
         return data[start : start + sizes[shard]]
 

@@ -13,8 +13,10 @@ from neuron_runtime.models.llama import LlamaForCausalLM
 from neuron_runtime.models.llava import LlavaForConditionalGeneration
 from neuron_runtime.models.llava import complete_config as complete_llava_config
 from neuron_runtime.models.mistral import MistralForCausalLM
+from neuron_runtime.models.mixtral import MixtralForCausalLM
 from neuron_runtime.models.qwen2 import Qwen2ForCausalLM
 from neuron_runtime.models.qwen3 import Qwen3ForCausalLM
+from neuron_runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BertModel": BertModel,
@@ -22,8 +24,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 # Architectures whose config.json may leave out keys the engine reads (sizes of a nested

@@ -1,0 +1,120 @@
+"""Parallel state: which ranks form the tensor-, expert- and data-parallel groups.
+
+Ranks are laid out data-parallel major: rank = dp_rank * tp + tp_rank, so the ranks of one
+replica are neighbours (on Trainium, neighbouring NeuronCores). A TP group is one replica's
+ranks; a DP group is the ranks with the same tp_rank in every replica; the EP group is the
+TP group (with ``enable_expert_parallel`` a replica's experts are spread over its own ranks).
+
+Layers read the groups of this process when they are built (``tp_group()``), as the model
+classes take only the HF config: a process that runs no parallel engine has groups of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from neuron_runtime.config import ParallelConfig
+from neuron_runtime.parallel.collectives import Communicator, TorchCommunicator
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The groups of every rank of ``data_parallel_size`` replicas of ``tensor_parallel_size``."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    @classmethod
+    def of(cls, config: ParallelConfig) -> RankLayout:
+        return cls(config.tensor_parallel_size, config.data_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tensor_parallel_size
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tensor_parallel_size
+
+    def tp_groups(self) -> list[list[int]]:
+        tp = self.tensor_parallel_size
+        return [list(range(d * tp, (d + 1) * tp)) for d in range(self.data_parallel_size)]
+
+    def dp_groups(self) -> list[list[int]]:
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        return [[d * tp + t for d in range(dp)] for t in range(tp)]
+
+
+@dataclass
+class ParallelState:
+    """This process's rank and its groups (all of one rank outside a parallel engine)."""
+
+    rank: int = 0
+    world_size: int = 1
+    tp: Communicator = field(default_factory=Communicator)
+    dp: Communicator = field(default_factory=Communicator)
+    expert_parallel: bool = False
+
+    @property
+    def ep(self) -> Communicator:
+        """The group the experts are spread over: the TP group under expert parallelism."""
+        return self.tp if self.expert_parallel else Communicator()
+
+
+_STATE = ParallelState()
+
+
+def parallel_state() -> ParallelState:
+    return _STATE
+
+
+def tp_group() -> Communicator:
+    """The tensor-parallel group of this process (a group of one outside a parallel engine)."""
+    return _STATE.tp
+
+
+def init_parallel_state(config: ParallelConfig, rank: int, backend: str) -> ParallelState:
+    """Builds this rank's groups over the already joined world (``collectives.init_world``).
+
+    Every rank must call this, in the same order: creating a group is itself collective.
+    """
+    global _STATE
+    layout = RankLayout.of(config)
+    tp: Communicator | None = None
+    dp: Communicator | None = None
+    for ranks in layout.tp_groups():
+        group = TorchCommunicator(ranks, backend)
+        tp = group if rank in ranks else tp
+    for ranks in layout.dp_groups():
+        if len(ranks) > 1:
+            group = TorchCommunicator(ranks, backend)
+            dp = group if rank in ranks else dp
+    assert tp is not None
+    _STATE = ParallelState(
+        rank=rank,
+        world_size=layout.world_size,
+        tp=tp,
+        dp=dp or Communicator(),
+        expert_parallel=config.enable_expert_parallel,
+    )
+    return _STATE
+
+
+def reset_parallel_state() -> None:
+    global _STATE
+    _STATE = ParallelState()
+
+
+@contextmanager
+def use_parallel_state(state: ParallelState) -> Iterator[ParallelState]:
+    """Builds models under ``state`` (tests shard a model without a process group)."""
+    global _STATE
+    saved, _STATE = _STATE, state
+    try:
+        yield state
+    finally:
+        _STATE = saved
