@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from neuron_runtime.sampling_params import MAX_LOGPROBS
 
@@ -19,6 +19,30 @@ class OpenAIModel(BaseModel):
     # A field the server does not honour is refused (400 naming it), never ignored: a client
     # sending one would otherwise get a result that silently differs from what it asked for.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _encodable_text(cls, value: Any) -> Any:
+        check_encodable(value)
+        return value
+
+
+def check_encodable(value: Any) -> None:
+    """ValueError when a string anywhere in ``value`` holds a lone surrogate: JSON escapes
+    such as \\ud800 decode to one, and neither the tokenizers nor UTF-8 can encode it."""
+    pending = [value]
+    while pending:  # a loop, not recursion: nesting is as deep as the JSON parser allows
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("the text holds a lone surrogate (invalid Unicode)") from None
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
 
 
 # A cap on list-valued sampling parameters (allowed_token_ids, bad_words), checked before
