@@ -37,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TypeVar, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,6 +52,7 @@ from deployments.protocol import (  # noqa: E402
 from neuron_runtime import tracing  # noqa: E402
 from router.route_trace import RouteTrace  # noqa: E402
 
+T = TypeVar("T")
 # "off" twice (A/A): the difference between the two is the noise floor of the measurement.
 MODES = ("off", "unsampled", "sampled", "off-again")
 
@@ -66,9 +68,9 @@ def configure(mode: str, path: str) -> None:
     )
 
 
-def hop(obj: object) -> object:
+def hop(obj: T) -> T:
     """What a Ray Serve hop does to a request dataclass."""
-    return pickle.loads(pickle.dumps(obj))
+    return cast(T, pickle.loads(pickle.dumps(obj)))
 
 
 STEPS = [StepOutput([SeqDelta(0, [token])], 128) for token in range(4096)]
