@@ -29,7 +29,7 @@ from typing import Any, Literal
 import ray
 
 from neuron_runtime.engine import LLMEngine
-from neuron_runtime.kv_transfer import KVBlockSource, KVHandoff, KVPayload
+from neuron_runtime.kv_transfer import KVHandoff, KVImport, KVPayload
 
 TransportName = Literal["nixl", "object_store"]
 
@@ -84,7 +84,7 @@ class KVTransport(ABC):
         """Prefill side: the handoff with this transport's ticket; owns the hold from now on."""
 
     @abstractmethod
-    async def receive(self, handoff: KVHandoff, timeout_s: float) -> KVPayload | KVBlockSource:
+    async def receive(self, handoff: KVHandoff, timeout_s: float) -> KVImport:
         """Decode side: what the engine imports the KV from, within ``timeout_s``; raises
         KVTransportError / TimeoutError when the KV cannot be had."""
 
@@ -109,7 +109,7 @@ class ObjectStoreTransport(KVTransport):
             self.release(handoff.handoff_id)
         return replace(handoff, ticket=ObjectStoreTicket(ray.put(payload)))
 
-    async def receive(self, handoff: KVHandoff, timeout_s: float) -> KVPayload | KVBlockSource:
+    async def receive(self, handoff: KVHandoff, timeout_s: float) -> KVImport:
         ticket = handoff.ticket
         if not isinstance(ticket, ObjectStoreTicket):
             raise KVTransportError(f"an object_store replica was given {ticket!r}")

@@ -50,7 +50,13 @@ from neuron_runtime.kv_layout import (
     region_addresses,
     use_huge_pages,
 )
-from neuron_runtime.kv_transfer import KVBlockSource, KVHandoff, KVPayload, KVTransferError
+from neuron_runtime.kv_transfer import (
+    KVBlockSource,
+    KVHandoff,
+    KVImport,
+    KVPayload,
+    KVTransferError,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -183,7 +189,7 @@ class NixlTransport(KVTransport):
 
     # -- decode side -------------------------------------------------------------------------
 
-    async def receive(self, handoff: KVHandoff, timeout_s: float) -> KVPayload | KVBlockSource:
+    async def receive(self, handoff: KVHandoff, timeout_s: float) -> KVImport:
         ticket = handoff.ticket
         if not isinstance(ticket, NixlTicket):
             raise KVTransportError(f"a nixl replica was given {ticket!r}")

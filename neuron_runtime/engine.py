@@ -186,8 +186,7 @@ class LLMEngine:
             mismatch = self.kv_layout.mismatch(kv.layout)
             if mismatch is not None:
                 raise KVTransferError(f"KV blocks of another cache layout ({mismatch})")
-            # The scheduler reads only ``.metadata.num_tokens``; step() starts the read.
-            request.kv_import = kv  # type: ignore[assignment]
+            request.kv_import = kv  # step() starts the read once the scheduler admits it
         request.all_token_ids.extend(outputs)
         state = handoff.generator_state
         if state is not None and request.params.seed is not None:

@@ -210,6 +210,11 @@ class KVBlockSource(ABC):
         )
 
 
+# What a decode engine takes a handed-off prompt's KV from: the request carries it until the
+# scheduler admits it; the engine then starts a block read itself, the runner writes a payload.
+KVImport = KVPayload | KVBlockSource
+
+
 @dataclass
 class KVHandoff:
     """One sequence handed from a prefill engine to a decode engine (see the module docstring).
@@ -229,7 +234,7 @@ class KVHandoff:
     block_ids: tuple[int, ...] = ()
     ticket: Any = None  # the transport's plain-data ticket (deployments/kv_transport.py)
     # Decode side only, never sent: what the engine takes the prompt's KV from.
-    kv: KVPayload | KVBlockSource | None = None
+    kv: KVImport | None = None
 
     @property
     def num_kv_bytes(self) -> int:

@@ -213,7 +213,7 @@ class ModelRunner:
         step = StepInputs(seqs=sorted(out.seqs, key=_decodes_first))
         bs = self.block_size
         for seq in step.seqs:
-            if seq.kv_import is not None:
+            if isinstance(seq.kv_import, KVPayload):  # a block read lands by itself
                 self.import_kv(seq.block_table, seq.kv_import)
             q_start = len(step.input_ids)
             n = len(seq.token_ids)

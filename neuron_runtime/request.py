@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from neuron_runtime.kv_transfer import KVPayload
+from neuron_runtime.kv_transfer import KVImport
 from neuron_runtime.multimodal import MultiModalInput
 from neuron_runtime.sampling_params import SamplingParams
 
@@ -72,9 +72,10 @@ class Request:
         self.num_prompt_logprobs = 0
         # bad_words as token id sequences (set by the engine, which has the tokenizer).
         self.bad_words_token_ids: list[list[int]] = []
-        # Decode role: KV of the prompt computed elsewhere, written into the cache when the
-        # request is admitted (dropped on preemption: a preempted request recomputes).
-        self.kv_import: KVPayload | None = None
+        # Decode role: KV of the prompt computed elsewhere, taken when the request is admitted
+        # (a payload written into its blocks, or a block read into them); dropped on
+        # preemption: a preempted request recomputes.
+        self.kv_import: KVImport | None = None
         # Images of the prompt, in prompt order, their features computed (kept for recompute).
         self.mm_inputs: list[MultiModalInput] = mm_inputs or []
         # Draft tokens proposed after the last token (spec_decode/): the next step feeds them

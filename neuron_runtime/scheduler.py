@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from neuron_runtime.config import SchedulerConfig
 from neuron_runtime.kv_cache import KVCacheManager
-from neuron_runtime.kv_transfer import KVPayload
+from neuron_runtime.kv_transfer import KVImport
 from neuron_runtime.multimodal import MultiModalInput, images_overlapping
 from neuron_runtime.request import Request, RequestStatus
 from neuron_runtime.sampling_params import SamplingParams
@@ -35,8 +35,9 @@ class ScheduledSeq:
     # Prompt logprobs: rows from ``prompt_logprob_offset`` on predict these prompt tokens.
     prompt_logprob_targets: list[int] = field(default_factory=list)
     prompt_logprob_offset: int = 0
-    # KV of the first ``kv_import.metadata.num_tokens`` tokens, to write before this slice runs.
-    kv_import: KVPayload | None = None
+    # KV of the first ``kv_import.metadata.num_tokens`` tokens, there before this slice runs
+    # (the engine starts a block read and holds the slice back until it lands).
+    kv_import: KVImport | None = None
     # Images with placeholders inside this slice (whole inputs; the runner cuts their rows).
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
     # Grammar-constrained sampling slice: the tokens the grammar allows next, a
