@@ -212,6 +212,11 @@ class EngineConfig:
                 f"({sched.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.model.max_model_len}) so every prompt fits in one step"
             )
+        if self.parallel.tensor_parallel_size > 1 and (self.graph.static or self.speculative):
+            raise ValueError(
+                "tensor_parallel_size > 1 runs graph_mode 'eager' only, without "
+                "speculative_config"
+            )
         if self.speculative is not None and self.graph.static:
             raise ValueError(
                 "speculative_config runs with graph_mode 'eager' only (the static runner has "

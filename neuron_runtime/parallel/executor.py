@@ -138,10 +138,6 @@ class MultiprocExecutor:
     """
 
     def __init__(self, config: EngineConfig, backend: Backend) -> None:
-        if config.graph.static:
-            raise ValueError("tensor_parallel_size > 1 runs graph_mode 'eager' only")
-        if config.speculative is not None:
-            raise ValueError("tensor_parallel_size > 1 runs without speculative_config")
         self.config = config
         tp = config.parallel.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
