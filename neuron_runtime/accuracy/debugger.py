@@ -162,6 +162,28 @@ def _squeeze_batch(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return ref
 
 
+def _pair_outputs(
+    name: str,
+    our_modules: dict[str, nn.Module],
+    ours: Snapshot,
+    ref_modules: dict[str, nn.Module],
+    ref: Snapshot,
+    pairs: dict[str, tuple[str, ...]],
+) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """(our output, transformers', transformers' name) of one module; None when unpaired."""
+    if name == LOGITS:
+        return ours.calls(LOGITS)[0][0], ref.calls(LOGITS)[0][0], LOGITS
+    if name not in pairs:
+        return None
+    got = _ours_output(our_modules[name], ours.calls(name))
+    parts = [_ref_output(ref_modules[p], ref.calls(p)) for p in pairs[name]]
+    present = [p for p in parts if p is not None]
+    if got is None or len(present) != len(parts):
+        return None
+    expected = present[0] if len(present) == 1 else torch.cat(present, dim=-1)
+    return got, _squeeze_batch(got, expected), "+".join(pairs[name])
+
+
 def compare_captures(
     ours_model: nn.Module,
     ours: Snapshot,
@@ -176,20 +198,12 @@ def compare_captures(
     ref_modules = dict(ref_model.named_modules())
     result = Divergence(sample, tol.module_rtol, None)
     for name in ours.modules:
-        if name == LOGITS:
-            got, expected, ref_name = ours.calls(LOGITS)[0][0], ref.calls(LOGITS)[0][0], LOGITS
-        elif name in pairs:
-            got = _ours_output(our_modules[name], ours.calls(name))
-            parts = [_ref_output(ref_modules[p], ref.calls(p)) for p in pairs[name]]
-            ref_name = "+".join(pairs[name])
-            if got is None or any(p is None for p in parts):
+        pair = _pair_outputs(name, our_modules, ours, ref_modules, ref, pairs)
+        if pair is None:
+            if name in pairs:
                 result.skipped.append(name)
-                continue
-            expected = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # type: ignore[arg-type]
-            assert expected is not None
-            expected = _squeeze_batch(got, expected)
-        else:
             continue
+        got, expected, ref_name = pair
         if got.shape != expected.shape:
             result.skipped.append(name)
             continue

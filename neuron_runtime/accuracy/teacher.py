@@ -94,7 +94,7 @@ class OurModel:
         self.config = args.create_engine_config()
         backend = get_backend(device, num_threads, "eager")
         self.runner = ModelRunner(self.config, backend)
-        self.model: torch.nn.Module = self.runner.model
+        self.model: Any = self.runner.model
         self.tokenizer = Tokenizer(self.config.model.path)
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
