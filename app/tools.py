@@ -82,7 +82,8 @@ def tool_setup(
             400,
             "response_format and the other output constraints apply only with tool_choice "
             "'none': a tool call cannot also follow them",
-            param="tool_choice",
+            # The field the client sent: tool_choice, else the tools its default applies to.
+            param="tool_choice" if choice is not None else "tools",
         )
     supports_tools = chat_template is not None and "tools" in chat_template
     constraint = None
