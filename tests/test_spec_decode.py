@@ -10,6 +10,7 @@ import pytest
 from conftest import make_tiny_llama
 from spec_decode_heads import make_eagle_head
 
+from neuron_runtime.engine import LLMEngine
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.llm import LLM
 from neuron_runtime.sampling_params import SamplingParams
@@ -317,3 +318,38 @@ def test_real_model_ngram_greedy_identical(default_model_path):
     assert "Paris" in outputs[1].outputs[0].text
     assert spec.engine.stats().spec_decode.num_accepted_tokens > 0
     _check_idle(spec)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_same", "self_spec", "eagle"])
+def test_decode_role_engine_speculates_after_a_kv_handoff(
+    tiny_llama_path, spec_configs, reference, method
+):
+    """Disaggregated: a prefill engine hands the prompt's KV to a decode engine that
+    speculates; the tokens are the single engine's without speculation. (EAGLE's head sees
+    the target's hidden states from the first decode step on: its drafts for the first
+    positions are weaker, the output the same.)"""
+    args = dict(model=str(tiny_llama_path), max_model_len=MAX_MODEL_LEN, num_kv_blocks=128)
+    prefill = LLMEngine.from_engine_args(EngineArgs(**args))
+    decode = LLMEngine.from_engine_args(EngineArgs(**args, speculative_config=spec_configs[method]))
+    for i, prompt in enumerate(PROMPTS):
+        prefill.add_request(f"p{i}", prompt, greedy(), export_kv=True)
+    handoffs = {}
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            if out.finished:
+                handoff = out.kv_handoff
+                handoff.kv = prefill.read_kv(handoff)
+                prefill.release_kv(handoff.handoff_id)
+                handoffs[out.request_id] = handoff
+    for i, prompt in enumerate(PROMPTS):
+        decode.add_request(f"d{i}", prompt, greedy(), handoff=handoffs[f"p{i}"])
+    final = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    assert [final[f"d{i}"] for i in range(len(PROMPTS))] == reference
+    assert decode.stats().spec_decode.num_drafts > 0
+    for engine in (prefill, decode):
+        stats = engine.stats()
+        assert stats.num_kv_blocks_used == stats.num_kv_blocks_held == 0

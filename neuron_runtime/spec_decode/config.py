@@ -32,8 +32,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     num_draft_layers: int | None = None
-    # A request stops proposing for a while when its recent acceptance falls below this.
-    min_acceptance_rate: float = 0.0
+    # A request stops proposing for a few steps when its recent acceptance (accepted / draft
+    # tokens, averaged over its last verify steps) falls below this; 0 never backs off.
+    min_acceptance_rate: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
