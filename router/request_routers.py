@@ -3,7 +3,8 @@
 Serve builds one of these inside every process that holds a handle to the deployment (here:
 the PD router's replicas). Each turns Serve's view of the replicas into ``ReplicaLoad``s and
 asks a policy of ``router/policies.py``; Serve then probes the ranked replicas' queues and
-sends the request to the first that accepts.
+sends the request to the first that accepts. For a traced request each records why it picked
+the replica (router/route_trace.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from router.policies import (
     ReplicaLoad,
     rendezvous_rank,
 )
+from router.route_trace import RouteTrace
 
 
 def _load(router: RequestRouter, replica: RunningReplica) -> ReplicaLoad:
@@ -64,6 +66,7 @@ class PrefixAffinityRouter(_PolicyRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.policy = PrefixAffinityPolicy(**kwargs)
+        self.trace = RouteTrace("prefill")
 
     async def choose_replicas(
         self,
@@ -73,14 +76,37 @@ class PrefixAffinityRouter(_PolicyRouter):
         request = _request(pending_request)
         hashes = _prompt_hashes(request) if request is not None else ()
         loads = [_load(self, r) for r in candidate_replicas]
+        if getattr(request, "trace_context", None) is not None:
+            self.trace.note(
+                pending_request,
+                request,
+                {
+                    "neuron_serve.route.candidates": [load.replica_id for load in loads],
+                    "neuron_serve.route.queue_lengths": [load.queue_len for load in loads],
+                    "neuron_serve.route.match_shares": [
+                        self._match_share(hashes, load.replica_id) for load in loads
+                    ],
+                    "neuron_serve.route.min_match_share": self.policy.min_match_share,
+                    "neuron_serve.route.prompt_blocks": len(hashes),
+                },
+            )
         return self._ranked(candidate_replicas, self.policy.rank(hashes, loads))
+
+    def _match_share(self, hashes: tuple[str, ...], replica_id: str) -> float:
+        return self.policy.matched_blocks(hashes, replica_id) / len(hashes) if hashes else 0.0
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         request = _request(pending_request)
         if request is not None:
-            self.policy.record(_prompt_hashes(request), replica_id.unique_id)
+            hashes = _prompt_hashes(request)
+            if getattr(request, "trace_context", None) is not None:
+                share = self._match_share(hashes, replica_id.unique_id)
+                affinity = bool(hashes) and share >= self.policy.min_match_share
+                reason = "prefix_match" if affinity else "queue_length"
+                self.trace.routed(pending_request, replica_id.unique_id, reason, match_share=share)
+            self.policy.record(hashes, replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -92,6 +118,7 @@ class KVCapacityRouter(_PolicyRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self.policy = KVCapacityPolicy(**kwargs)
+        self.trace = RouteTrace("decode")
 
     def _blocks_needed(self, request: Any, candidates: list[RunningReplica]) -> int:
         if request is None:
@@ -107,14 +134,35 @@ class KVCapacityRouter(_PolicyRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        needed = self._blocks_needed(_request(pending_request), candidate_replicas)
+        request = _request(pending_request)
+        needed = self._blocks_needed(request, candidate_replicas)
         loads = [_load(self, r) for r in candidate_replicas]
+        if getattr(request, "trace_context", None) is not None:
+            self.trace.note(
+                pending_request,
+                request,
+                {
+                    "neuron_serve.route.candidates": [load.replica_id for load in loads],
+                    "neuron_serve.route.queue_lengths": [load.queue_len for load in loads],
+                    # -1: the replica has not reported its KV cache yet
+                    "neuron_serve.route.kv_free_blocks": [
+                        _or_minus_one(self.policy.free_blocks(load)) for load in loads
+                    ],
+                    "neuron_serve.route.kv_blocks_needed": needed,
+                },
+            )
         return self._ranked(candidate_replicas, self.policy.rank(needed, loads))
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        needed = self._blocks_needed(_request(pending_request), list(self.curr_replicas.values()))
+        request = _request(pending_request)
+        needed = self._blocks_needed(request, list(self.curr_replicas.values()))
+        if getattr(request, "trace_context", None) is not None:
+            replica = self.curr_replicas.get(replica_id)
+            free = None if replica is None else self.policy.free_blocks(_load(self, replica))
+            reason = "kv_capacity" if free is not None and free >= needed else "queue_length"
+            self.trace.routed(pending_request, replica_id.unique_id, reason, kv_free_blocks=free)
         self.policy.record(needed, replica_id.unique_id)
 
 
@@ -131,4 +179,34 @@ class RendezvousRouter(_PolicyRouter):
         loads = [_load(self, r) for r in candidate_replicas]
         if request is None:  # Serve's own probes carry no request
             return self._ranked(candidate_replicas, [loads])
-        return self._ranked(candidate_replicas, rendezvous_rank(request.content_hash, loads))
+        ranks = rendezvous_rank(request.content_hash, loads)
+        if getattr(request, "trace_context", None) is not None:
+            owners = [rank[0].replica_id for rank in ranks]
+            self.trace.note(
+                pending_request,
+                request,
+                {
+                    "neuron_serve.route.candidates": owners,
+                    "neuron_serve.route.queue_lengths": [rank[0].queue_len for rank in ranks],
+                },
+            )
+        return self._ranked(candidate_replicas, ranks)
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.trace = RouteTrace("encoder")
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        request = _request(pending_request)
+        if getattr(request, "trace_context", None) is not None:
+            # The owner of the image's hash, or a next one when the owner's queue was full.
+            loads = [_load(self, r) for r in self.curr_replicas.values()]
+            ranks = rendezvous_rank(request.content_hash, loads)
+            owner = bool(ranks) and ranks[0][0].replica_id == replica_id.unique_id
+            reason = "rendezvous_owner" if owner else "rendezvous_next_owner"
+            self.trace.routed(pending_request, replica_id.unique_id, reason)
+
+
+def _or_minus_one(value: int | None) -> int:
+    return -1 if value is None else value
