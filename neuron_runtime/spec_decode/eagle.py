@@ -23,6 +23,7 @@ positions are run again with the target's hidden states once verified.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -219,20 +220,26 @@ class EagleProposer:
         # consumed by the head; rows past num_computed_tokens (rejected drafts) are dropped.
         self._pending: dict[str, tuple[int, torch.Tensor]] = {}
         self._head_end: dict[str, tuple[int, int]] = {}  # req_id -> (position, preemptions)
-        self._aux: list[torch.Tensor] = []
+        # EAGLE-3: the inputs of these target layers, captured during each target forward.
+        self._aux_ids: list[int] = []
+        self._aux: dict[int, torch.Tensor] = {}
         if self.eagle3:
             layers = runner.model.decoder_layers
-            for i in aux_layer_ids(cfg, len(layers)):
-                layers[i].register_forward_pre_hook(self._capture)
+            self._aux_ids = aux_layer_ids(cfg, len(layers))
+            for i in sorted(set(self._aux_ids)):
+                layers[i].register_forward_pre_hook(partial(self._capture, i))
 
-    def _capture(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _capture(self, layer_idx: int, module: nn.Module, args: tuple[Any, ...]) -> None:
         x, residual = args[0], args[1]
-        self._aux.append(x.clone() if residual is None else x + residual)  # the layer's input
+        self._aux[layer_idx] = x.clone() if residual is None else x + residual  # [T, H]
 
     def observe(self, step: StepInputs, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         """Keeps the target's hidden states of every slice (EAGLE-3: its three layers')."""
-        features = torch.cat(self._aux, dim=-1) if self.eagle3 else hidden  # [T, F]
-        self._aux = []
+        if self.eagle3:
+            features = torch.cat([self._aux[i] for i in self._aux_ids], dim=-1)  # [T, 3H]
+            self._aux = {}
+        else:
+            features = hidden  # [T, H]
         row = 0
         for seq in step.seqs:
             n = len(seq.token_ids)
