@@ -21,7 +21,7 @@ from neuron_runtime.accuracy.metrics import DTYPES
 from neuron_runtime.backends import get_backend
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.model_runner import ModelRunner
-from neuron_runtime.multimodal import MultiModalInput, hash_image, place_images
+from neuron_runtime.multimodal import MultiModalInput, hash_image, load_image, place_images
 from neuron_runtime.sampling_params import SamplingParams
 from neuron_runtime.scheduler import ScheduledSeq, SchedulerOutput
 from neuron_runtime.tokenizer import Tokenizer
@@ -53,14 +53,8 @@ def tokenize_prompt(
         MultiModalInput(offset, length, hash_image(image), image=image)
         for (offset, length), image in zip(spans, images, strict=True)
     ]
-    pixels = vision.processor.preprocess([_rgb(image) for image in images])
+    pixels = vision.processor.preprocess([load_image(image) for image in images])
     return Sample(name, ids, len(ids), mm_inputs, pixels)
-
-
-def _rgb(image: Any) -> Any:
-    from neuron_runtime.multimodal import load_image
-
-    return load_image(image)
 
 
 class OurModel:
@@ -98,7 +92,6 @@ class OurModel:
         self.tokenizer = Tokenizer(self.config.model.path)
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
-        self.steps = 0  # forward steps run so far (snapshots name their step by it)
 
     @property
     def vision(self) -> Any:
@@ -140,7 +133,6 @@ class OurModel:
                 step = self.runner.prepare_inputs(SchedulerOutput([seq], end - pos))
                 hidden, _ = self.runner.forward(step)
                 rows.append(self.model.compute_logits(hidden).float().cpu())
-                self.steps += 1
                 pos = end
         return torch.cat(rows)
 
