@@ -73,6 +73,12 @@ CONFIGS: dict[str, dict | None] = {
         "prompt_lookup_max": 3,
         "min_acceptance_rate": 0.0,
     },
+    "ngram k=4 <=2 seqs": {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+        "disable_by_batch_size": 2,
+    },
     "self-spec 10/30 k=2": {
         "method": "draft_model",
         "num_speculative_tokens": 2,

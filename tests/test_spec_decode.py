@@ -353,3 +353,22 @@ def test_decode_role_engine_speculates_after_a_kv_handoff(
     for engine in (prefill, decode):
         stats = engine.stats()
         assert stats.num_kv_blocks_used == stats.num_kv_blocks_held == 0
+
+
+def test_disable_by_batch_size(tiny_llama_path, spec_configs):
+    config = {**spec_configs["draft_same"], "disable_by_batch_size": 2}
+    llm = LLM(
+        model=str(tiny_llama_path),
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=128,
+        speculative_config=config,
+    )
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, greedy(4 if i < 2 else 24))
+    while engine.has_unfinished_requests():
+        engine.step()
+        drafting = [r for r in engine.scheduler.running if r.spec_token_ids]
+        assert not drafting or len(engine.scheduler.running) <= 2
+    assert engine.stats().spec_decode.num_drafts > 0
+    _check_idle(llm)

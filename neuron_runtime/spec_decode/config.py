@@ -35,6 +35,9 @@ class SpeculativeConfig:
     # A request stops proposing for a few steps when its recent acceptance (accepted / draft
     # tokens, averaged over its last verify steps) falls below this; 0 never backs off.
     min_acceptance_rate: float = 0.1
+    # No drafts while more than this many requests run (vLLM's key): a large batch is
+    # compute-bound, where verifying k + 1 rows per request costs more than it saves.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -78,6 +81,13 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config for 'draft_model' needs model (a draft model) or "
                 "num_draft_layers (the target's first layers as the draft)"
+            )
+        if self.disable_by_batch_size is not None and (
+            not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 1
+        ):
+            raise ValueError(
+                "speculative_config.disable_by_batch_size must be an integer >= 1, "
+                f"got {self.disable_by_batch_size!r}"
             )
         if not 0.0 <= self.min_acceptance_rate < 1.0:
             raise ValueError(

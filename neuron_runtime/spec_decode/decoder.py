@@ -98,6 +98,9 @@ class SpecDecoder:
         for req_id in [r for r in self._acceptance if r not in live]:
             del self._acceptance[req_id]
             self.proposer.release(req_id)
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return
         requests, counts = [], []
         for request in running:
             if not speculates(request):
