@@ -3,8 +3,12 @@
 Offline engine, default model (SmolLM2-135M, 49,152-token vocabulary), fp32, 1 torch thread.
 Each batch (1 and 32) runs the same prompts free (ignore_eos) and constrained, alternating
 free, constrained, free, constrained, ...; the grammars cannot end before ``--tokens``
-tokens, so both produce exactly that many. Per-token time = (time for N tokens - time for
-1 token) / (N - 1), which leaves the prompt out. Constraints:
+tokens, so both produce exactly that many. Each constraint runs twice per round: as the
+engine runs it (the token bitmask filled on the grammar manager's thread while the forward
+pass runs) and with the fill inline (on the engine thread before the forward pass, as the
+engine did before the fill thread), so the overlap's gain is measured side by side.
+Per-token time = (time for N tokens - time for 1 token) / (N - 1), which leaves the prompt
+out. Constraints:
 
 - ``regex``: ``([a-z]+ ){N,}`` words (free text inside a grammar);
 - ``json``: a JSON array of at least N strings;
@@ -19,7 +23,8 @@ cache hit.
 grammar engines on their own: compile time of each schema and the time to fill one token
 mask at every position of a valid answer, on the same tokenizer.
 
-    python bench/structured.py [--repeats 3] [--tokens 64] [--compare-xgrammar]
+    python bench/structured.py [--repeats 3] [--tokens 64] [--batch-sizes 1 32]
+        [--engine-threads N] [--compare-xgrammar]
         [--json bench/results/structured.json]
 """
 
@@ -31,7 +36,11 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -109,6 +118,26 @@ def per_token(llm: LLM, prompts: list[str], params: SamplingParams, tokens: int)
     return (full - first) / (tokens - 1)
 
 
+class InlineFill:
+    """Stands in for the grammar manager's fill thread: runs each fill at once on the engine
+    thread, before the step's forward pass."""
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        done: Future = Future()
+        done.set_result(fn(*args))
+        return done
+
+
+@contextmanager
+def fill_inline(llm: LLM) -> Iterator[None]:
+    manager = llm.engine.structured
+    threaded, manager._fill_thread = manager._fill_thread, InlineFill()
+    try:
+        yield
+    finally:
+        manager._fill_thread = threaded
+
+
 def decode_overhead(llm: LLM, batch: int, tokens: int, repeats: int) -> dict:
     prompts = [PROMPT.format(i=i) for i in range(batch)]
     free = SamplingParams(temperature=0, ignore_eos=True)
@@ -116,6 +145,7 @@ def decode_overhead(llm: LLM, batch: int, tokens: int, repeats: int) -> dict:
     kinds = constraints(tokens)
     for kind in kinds:
         runs[kind] = []
+        runs[f"{kind} inline"] = []
     per_token(llm, prompts, free, 4)  # warm up (kernels, caches)
     for params in kinds.values():  # compile once: the timed runs hit the cache
         per_token(llm, prompts, SamplingParams(temperature=0, structured_outputs=params), 4)
@@ -124,11 +154,13 @@ def decode_overhead(llm: LLM, batch: int, tokens: int, repeats: int) -> dict:
         for kind, params in kinds.items():
             constrained = SamplingParams(temperature=0, structured_outputs=params)
             runs[kind].append(per_token(llm, prompts, constrained, tokens))
+            with fill_inline(llm):
+                runs[f"{kind} inline"].append(per_token(llm, prompts, constrained, tokens))
     medians = {k: statistics.median(v) for k, v in runs.items()}
     return {
         "batch": batch,
         "per_token_ms": {k: 1e3 * v for k, v in medians.items()},
-        "overhead": {k: medians[k] / medians["free"] - 1 for k in kinds},
+        "overhead": {k: medians[k] / medians["free"] - 1 for k in runs if k != "free"},
         "runs_ms": {k: [1e3 * x for x in v] for k, v in runs.items()},
     }
 
@@ -276,6 +308,7 @@ def main() -> None:
         default=None,
         help="the engine's CPU kernel threads (default: every usable core)",
     )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--compare-xgrammar", action="store_true")
     parser.add_argument("--json", default="bench/results/structured.json")
     args = parser.parse_args()
@@ -296,7 +329,9 @@ def main() -> None:
     result["compile_ms"] = compile_times(llm)
     if args.compare_xgrammar:
         result["engines"] = compare_engines(llm)
-    result["decode"] = [decode_overhead(llm, b, args.tokens, args.repeats) for b in (1, 32)]
+    result["decode"] = [
+        decode_overhead(llm, b, args.tokens, args.repeats) for b in args.batch_sizes
+    ]
     result["parts"] = [parts_at_batch(llm, b, k) for b in (1, 32) for k in constraints(48)]
     result["machine_end"] = machine()
 
@@ -304,17 +339,19 @@ def main() -> None:
         f"CPU {result['machine_start']['cpu']}, load {result['machine_start']['load_average']}"
         f" -> {result['machine_end']['load_average']}, {args.threads} thread(s)"
     )
-    kinds = list(constraints(args.tokens))
     print(
-        "\n| batch | free ms/token | "
-        + " | ".join(f"{k} ms/token (overhead)" for k in kinds)
-        + " |"
+        "\n| batch | constraint | free ms/token | fill overlapped: ms/token (overhead) "
+        "| fill inline: ms/token (overhead) |"
     )
-    print("|---|---|" + "---|" * len(kinds))
+    print("|---|---|---|---|---|")
     for row in result["decode"]:
         ms, over = row["per_token_ms"], row["overhead"]
-        cells = " | ".join(f"{ms[k]:.2f} ({over[k]:+.1%})" for k in kinds)
-        print(f"| {row['batch']} | {ms['free']:.2f} | {cells} |")
+        for k in constraints(args.tokens):
+            inline = f"{k} inline"
+            print(
+                f"| {row['batch']} | {k} | {ms['free']:.2f} | {ms[k]:.2f} ({over[k]:+.1%}) "
+                f"| {ms[inline]:.2f} ({over[inline]:+.1%}) |"
+            )
     print("\n| batch | constraint | mask fill ms/step | bitmask apply ms/step |")
     print("|---|---|---|---|")
     for row in result["parts"]:

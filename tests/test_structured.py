@@ -267,6 +267,43 @@ def test_json_regex_choice_outputs_match_their_constraint(llm):
     assert_idle(llm)
 
 
+def test_the_static_sampler_masks_as_the_eager_sampler(compiler, tokenizer):
+    """The static runner's sampler inputs (backends/static/sampler.py) carry each constrained
+    row's bitmask as -inf in its bias; on the same logits its greedy graph function picks the
+    eager path's tokens, which the grammar allows, and a free row is left alone."""
+    from neuron_runtime.backends.static.sampler import greedy_tokens, sampling_inputs
+    from neuron_runtime.sampler import SamplingBatch
+    from neuron_runtime.scheduler import ScheduledSeq
+
+    manager = StructuredOutputManager(compiler)
+    kinds = {"digits": dict(regex="[0-9]{2,4}"), "colour": dict(choice=["red", "blue"])}
+    for req_id, kind in kinds.items():
+        manager.add(req_id, StructuredOutputsParams(**kind))
+    while not all(manager.status(r, [])[0] for r in kinds):
+        manager.wait_for_compiles(0.1)
+    rows = manager.bitmask(["digits", "free", "colour"])
+    params = SamplingParams(temperature=0.0)
+    seqs = [
+        ScheduledSeq(r, [1], 0, [0], True, params, grammar_bitmask=rows.get(r))
+        for r in ("digits", "free", "colour")
+    ]
+    vocab = compiler.vocab_size
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3))
+    zeros = torch.zeros(3)
+    batch = SamplingBatch(zeros, zeros.long(), zeros + 1, zeros, [None] * 3)
+    inputs = sampling_inputs(seqs, batch, vocab, torch.device("cpu"))
+    eager = apply_grammar_bitmasks(logits, [s.grammar_bitmask for s in seqs])
+    assert torch.equal(torch.isfinite(inputs.bias), torch.isfinite(eager))
+    assert torch.equal(inputs.bias[1], torch.zeros(vocab))
+    tokens = greedy_tokens(logits, inputs.bias).tolist()
+    assert tokens == eager.argmax(dim=-1).tolist()
+    assert tokens[1] == int(logits[1].argmax())
+    assert tokenizer.decode([tokens[0]]).isdigit()
+    assert any(c.startswith(tokenizer.decode([tokens[2]])) for c in ("red", "blue"))
+    for req_id in kinds:
+        manager.release(req_id)
+
+
 def test_free_rows_of_a_mixed_batch_get_the_same_tokens_as_alone(llm):
     free = [
         SamplingParams(temperature=0, max_tokens=24),
