@@ -51,8 +51,9 @@ def first_layers(model: nn.Module, num_layers: int) -> nn.Module:
     view = copy.copy(inner)
     view._modules = dict(inner._modules)  # its own module table: the target keeps all layers
     view.layers = inner.layers[:num_layers]
-    if isinstance(getattr(inner, "sliding", None), list):  # Gemma 3: per-layer window flags
-        view.sliding = inner.sliding[:num_layers]  # type: ignore[assignment]
+    sliding = getattr(inner, "sliding", None)
+    if isinstance(sliding, list):  # Gemma 3: per-layer window flags
+        setattr(view, "sliding", sliding[:num_layers])  # noqa: B010 (a plain list attribute)
     return view
 
 
