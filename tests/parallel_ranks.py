@@ -94,17 +94,17 @@ def _rank_main(rank: int, world: int, init_method: str, jobs: list[Job], queue: 
     from neuron_runtime.loader import load_hf_config, load_model
     from neuron_runtime.models.registry import model_class
     from neuron_runtime.parallel.collectives import destroy_world, init_world
-    from neuron_runtime.parallel.state import init_parallel_state
+    from neuron_runtime.parallel.state import build_parallel_state, use_parallel_state
 
     init_world("gloo", rank, world, init_method, 300.0)
     try:
-        state = init_parallel_state(ParallelConfig(tensor_parallel_size=world), rank, "gloo")
+        state = build_parallel_state(ParallelConfig(tensor_parallel_size=world), rank, "gloo")
         results: dict[str, Any] = {"collectives": check_collectives(state.tp)}
         for job in jobs:
             config = ParallelConfig(world, enable_expert_parallel=job.expert_parallel)
-            init_parallel_state(config, rank, "gloo")
             cfg = load_hf_config(job.path)
-            model = load_model(model_class(cfg["architectures"][0]), cfg, job.path)
+            with use_parallel_state(build_parallel_state(config, rank, "gloo")):
+                model = load_model(model_class(cfg["architectures"][0]), cfg, job.path)
             results[job.key] = sequence_logits(model, job.token_ids).numpy()
         if rank == 0:
             queue.put(results)

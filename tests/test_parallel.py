@@ -13,6 +13,7 @@ from safetensors import safe_open
 from test_llama_vs_hf import hf_model
 
 from neuron_runtime import LLM, SamplingParams
+from neuron_runtime.engine import LLMEngine
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.loader import iter_weights, load_hf_config, load_model
 from neuron_runtime.models.registry import model_class
@@ -169,15 +170,45 @@ def _generate(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
     ]
 
 
+def _hand_off(prefill: LLMEngine, decode: LLMEngine, prompt: str, max_tokens: int) -> list[int]:
+    """Prefill on one engine, KV copied out (every kv head) and continued on the other."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prefill.add_request("p", prompt, params, export_kv=True)
+    first = None
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            first = out if out.finished else first
+    assert first is not None and first.kv_handoff is not None
+    handoff = first.kv_handoff
+    handoff.kv = prefill.read_kv(handoff)
+    assert prefill.release_kv(handoff.handoff_id)
+    decode.add_request("d", prompt, params, handoff=handoff)
+    final = None
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            final = out if out.finished else final
+    assert final is not None
+    return list(final.outputs[0].token_ids)
+
+
 def test_tp2_engine_greedy_identical_to_tp1_on_default_model():
+    """Greedy tokens and logprobs of TP=2 against TP=1; KV handed off TP=2 -> TP=1 and back
+    (the export gathers every rank's heads, the import takes each rank's own); then a dead
+    rank."""
     kwargs = dict(max_model_len=256, num_kv_blocks=64, num_threads=1)
     llm = LLM("smollm2-135m-instruct", tensor_parallel_size=2, **kwargs)
     runner = llm.engine.runner
+    single = LLM("smollm2-135m-instruct", **kwargs)  # built beside rank 0: unsharded
     try:
         sharded = _generate(llm)
         stats = llm.engine.stats()
         assert (stats.num_running, stats.num_waiting, stats.num_unfinished_outputs) == (0, 0, 0)
         assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+        prompt = "Write a short poem about the sea. The sea"
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        expected = list(single.generate(prompt, params)[0].outputs[0].token_ids)
+        assert _hand_off(llm.engine, single.engine, prompt, 12) == expected
+        assert _hand_off(single.engine, llm.engine, prompt, 12) == expected
         runner.check_health()
         # a dead rank fails the health check, and the next step fails instead of waiting
         runner.workers[0].kill()
@@ -188,8 +219,8 @@ def test_tp2_engine_greedy_identical_to_tp1_on_default_model():
             llm.generate("Hello", SamplingParams(max_tokens=2))
     finally:
         runner.close()
-    single = _generate(LLM("smollm2-135m-instruct", **kwargs))
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(sharded, single, strict=True):
+    reference = _generate(single)
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(sharded, reference, strict=True):
         assert tokens == ref_tokens
         for got, want in zip(logprobs, ref_logprobs, strict=True):
             assert got.keys() == want.keys()

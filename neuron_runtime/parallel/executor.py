@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import socket
+import threading
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, cast
@@ -33,8 +34,8 @@ from neuron_runtime.model_runner import ModelRunner, ModelRunnerOutput
 from neuron_runtime.parallel.collectives import destroy_world, init_world
 from neuron_runtime.parallel.state import (
     ParallelState,
-    init_parallel_state,
-    reset_parallel_state,
+    build_parallel_state,
+    use_parallel_state,
 )
 from neuron_runtime.scheduler import SchedulerOutput
 
@@ -101,7 +102,7 @@ def _join_group(config: EngineConfig, rank: int, init_method: str) -> ParallelSt
     init_world(
         backend, rank, config.parallel.tensor_parallel_size, init_method, COLLECTIVE_TIMEOUT_S
     )
-    return init_parallel_state(config.parallel, rank, backend)
+    return build_parallel_state(config.parallel, rank, backend)
 
 
 def _export_local(runner: ModelRunner, block_table: list[int], num_tokens: int) -> tuple:
@@ -111,7 +112,8 @@ def _export_local(runner: ModelRunner, block_table: list[int], num_tokens: int) 
 def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
     """A rank other than 0: load this rank's shard, then run rank 0's calls until STOP."""
     state = _join_group(config, rank, init_method)
-    runner = ModelRunner(config, get_backend(config.device, config.num_threads))
+    with use_parallel_state(state):
+        runner = ModelRunner(config, get_backend(config.device, config.num_threads))
     tp = state.tp
     while True:
         msg: RunnerCall = tp.broadcast_object(None, src=0)
@@ -151,11 +153,15 @@ class MultiprocExecutor:
             )
             for rank in range(1, tp)
         ]
+        # One call at a time, each sent and run whole: the engine's loop and a KV read on
+        # another thread (read_kv) must reach every rank in the same order.
+        self.lock = threading.Lock()
         for proc in self.workers:
             proc.start()
         try:
             self.state = _join_group(config, 0, init_method)
-            self.runner = ModelRunner(config, backend)
+            with use_parallel_state(self.state):
+                self.runner = ModelRunner(config, backend)
         except BaseException:
             self._kill_workers()
             raise
@@ -174,26 +180,31 @@ class MultiprocExecutor:
         self.state.tp.broadcast_object(RunnerCall(call, args), src=0)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self._send(Call.EXECUTE, portable(out))
-        return self.runner.execute(out)
+        with self.lock:
+            self._send(Call.EXECUTE, portable(out))
+            return self.runner.execute(out)
 
     def release(self, req_id: str) -> None:
-        self._send(Call.RELEASE, req_id)
-        self.runner.release(req_id)
+        with self.lock:
+            self._send(Call.RELEASE, req_id)
+            self.runner.release(req_id)
 
     def restore_generator(self, req_id: str, seed: int, state: np.ndarray) -> None:
-        self._send(Call.RESTORE_GENERATOR, req_id, seed, state)
-        self.runner.restore_generator(req_id, seed, state)
+        with self.lock:
+            self._send(Call.RESTORE_GENERATOR, req_id, seed, state)
+            self.runner.restore_generator(req_id, seed, state)
 
     def import_kv(self, block_table: list[int], payload: KVPayload) -> None:
-        self._send(Call.IMPORT_KV, block_table, payload)
-        self.runner.import_kv(block_table, payload)
+        with self.lock:
+            self._send(Call.IMPORT_KV, block_table, payload)
+            self.runner.import_kv(block_table, payload)
 
     def export_kv(self, block_table: list[int], num_tokens: int) -> np.ndarray:
         """The sequence's KV over every kv head of the model, each rank's heads put in place:
         [2, num_layers, num_kv_heads, num_tokens, head_dim] as a TP=1 engine exports it."""
-        self._send(Call.EXPORT_KV, block_table, num_tokens)
-        parts = self.state.tp.gather_object(_export_local(self.runner, block_table, num_tokens))
+        with self.lock:
+            self._send(Call.EXPORT_KV, block_table, num_tokens)
+            parts = self.state.tp.gather_object(_export_local(self.runner, block_table, num_tokens))
         assert parts is not None
         m = self.config.model
         kv = np.empty((2, m.num_layers, m.num_kv_heads, num_tokens, m.head_dim), np.float32)
@@ -214,8 +225,9 @@ class MultiprocExecutor:
         atexit.unregister(self.close)
         try:
             self.check_health()
-            self._send(Call.STOP)
-            self.state.tp.barrier()
+            with self.lock:
+                self._send(Call.STOP)
+                self.state.tp.barrier()
             for proc in self.workers:
                 proc.join(timeout=30)
         except RuntimeError:
@@ -224,7 +236,6 @@ class MultiprocExecutor:
             self.closed = True
             self._kill_workers()
             destroy_world()
-            reset_parallel_state()
 
     def _kill_workers(self) -> None:
         for proc in self.workers:

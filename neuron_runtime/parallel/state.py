@@ -5,8 +5,10 @@ replica are neighbours (on Trainium, neighbouring NeuronCores). A TP group is on
 ranks; a DP group is the ranks with the same tp_rank in every replica; the EP group is the
 TP group (with ``enable_expert_parallel`` a replica's experts are spread over its own ranks).
 
-Layers read the groups of this process when they are built (``tp_group()``), as the model
-classes take only the HF config: a process that runs no parallel engine has groups of one.
+Layers read the groups in effect when they are built (``tp_group()``) and keep them, as the
+model classes take only the HF config. The groups are in effect only while a rank builds its
+model (``use_parallel_state``); otherwise they are groups of one, so a TP=1 engine beside a
+TP=2 one in the same process builds an unsharded model.
 """
 
 from __future__ import annotations
@@ -77,12 +79,11 @@ def tp_group() -> Communicator:
     return _STATE.tp
 
 
-def init_parallel_state(config: ParallelConfig, rank: int, backend: str) -> ParallelState:
-    """Builds this rank's groups over the already joined world (``collectives.init_world``).
+def build_parallel_state(config: ParallelConfig, rank: int, backend: str) -> ParallelState:
+    """This rank's groups over the already joined world (``collectives.init_world``).
 
     Every rank must call this, in the same order: creating a group is itself collective.
     """
-    global _STATE
     layout = RankLayout.of(config)
     tp: Communicator | None = None
     dp: Communicator | None = None
@@ -94,24 +95,18 @@ def init_parallel_state(config: ParallelConfig, rank: int, backend: str) -> Para
             group = TorchCommunicator(ranks, backend)
             dp = group if rank in ranks else dp
     assert tp is not None
-    _STATE = ParallelState(
+    return ParallelState(
         rank=rank,
         world_size=layout.world_size,
         tp=tp,
         dp=dp or Communicator(),
         expert_parallel=config.enable_expert_parallel,
     )
-    return _STATE
-
-
-def reset_parallel_state() -> None:
-    global _STATE
-    _STATE = ParallelState()
 
 
 @contextmanager
 def use_parallel_state(state: ParallelState) -> Iterator[ParallelState]:
-    """Builds models under ``state`` (tests shard a model without a process group)."""
+    """Puts ``state``'s groups in effect for the models and layers built inside."""
     global _STATE
     saved, _STATE = _STATE, state
     try:
