@@ -19,7 +19,7 @@ import torch
 from deployments.kv_transport import KVTransportConfig, KVTransportError, make_transport
 from deployments.nixl_transport import NixlAgentInfo, NixlBlockRead, NixlTicket, NixlTransport
 from neuron_runtime import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
-from neuron_runtime.kv_layout import KVLayout, read_descriptors
+from neuron_runtime.kv_layout import HUGE_PAGE_BYTES, KVLayout, read_descriptors, use_huge_pages
 from neuron_runtime.kv_transfer import KVHandoff, KVPayload
 
 MAX_MODEL_LEN = 512
@@ -393,6 +393,27 @@ def test_read_descriptors_merge_runs_on_both_sides():
     src, dst = read_descriptors(layout, (0, 0), 20, [6, 5, 4, 1, 2], (0, 0), [9, 8, 7, 2, 1])
     assert (src[:3, 0] // bb).tolist() == [4, 1, 2] and (dst[:3, 0] // bb).tolist() == [7, 2, 1]
     assert (src[:3, 1] // bb).tolist() == [3, 1, 1]
+
+
+def test_huge_pages_keep_the_regions_contents():
+    """The cache regions move onto huge pages (where the kernel allows them) with their
+    contents; a region without a whole aligned 2 MiB page inside is left as it is."""
+    torch.manual_seed(0)
+    regions = [torch.randn(3, 400, 16, 64), torch.randn(3, 400, 16, 64), torch.randn(3, 10, 16, 64)]
+    expected = [r.clone() for r in regions]
+    addresses = [r.data_ptr() for r in regions]
+    moved = use_huge_pages(regions)
+    assert all(torch.equal(r, e) for r, e in zip(regions, expected, strict=True))
+    assert [r.data_ptr() for r in regions] == addresses  # registered addresses stay valid
+    assert moved % HUGE_PAGE_BYTES == 0
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            allowed = "[never]" not in f.read()
+    except OSError:
+        allowed = False
+    if allowed:  # the two 4.7 MiB regions hold at least one aligned 2 MiB page each
+        assert moved >= 2 * HUGE_PAGE_BYTES
+    assert use_huge_pages([regions[2]]) == 0
 
 
 def test_config_names_the_transport():
