@@ -113,8 +113,15 @@ class AsyncEngine:
         return self._stats
 
     def check_health(self, stall_timeout_s: float = 30.0) -> None:
-        """Raises if the loop thread died, or has work but made no step for too long."""
+        """Raises if the loop thread died, or has work but made no step for too long, or a
+        tensor-parallel rank's process exited."""
         self._check_alive()
+        check_ranks = getattr(self.engine.runner, "check_health", None)  # parallel/executor.py
+        if check_ranks is not None:
+            try:
+                check_ranks()
+            except RuntimeError as exc:
+                raise EngineDeadError(str(exc)) from exc
         busy = self._stats.num_running + self._stats.num_waiting > 0
         if busy and time.monotonic() - self._last_step > stall_timeout_s:
             raise EngineDeadError(f"engine made no step in {stall_timeout_s:.0f}s with work queued")
@@ -122,6 +129,9 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=10)
+        close_ranks = getattr(self.engine.runner, "close", None)  # parallel/executor.py
+        if close_ranks is not None:
+            close_ranks()
 
     def _check_alive(self) -> None:
         if self._error is not None or not self._thread.is_alive():
