@@ -249,7 +249,7 @@ class Scheduler:
         ``sampled`` maps req_id -> new token for each slice that sampled; ``failed`` maps
         req_id -> error for rows the model could not produce (those requests end with an error).
         ``accepted`` maps req_id -> the draft tokens the target accepted (speculative slices),
-        which come before that slice's sampled token; rejected drafts' KV is left behind
+        which come before that slice's sampled token; rejected drafts' KV is left past
         ``num_computed_tokens`` (the next step overwrites it) and their blocks are freed.
         """
         updated, self._grammar_failed = self._grammar_failed, []
