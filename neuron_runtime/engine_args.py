@@ -124,7 +124,13 @@ class EngineArgs:
     def _speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative_config is None:
             return None
-        return SpeculativeConfig.from_dict(self.speculative_config)
+        config = SpeculativeConfig.from_dict(self.speculative_config)
+        if config.model and not config.self_speculative(self.model):
+            try:
+                resolve_model(config.model)  # a missing draft or head fails here, not at load
+            except ValueError as err:
+                raise ValueError(f"speculative_config.model: {err}") from None
+        return config
 
     def _plan_kv_cache(self, model: ModelConfig, limit: int) -> KVPlan:
         if not 0 < self.kv_cache_memory_fraction <= 1:

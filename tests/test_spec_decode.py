@@ -372,3 +372,17 @@ def test_disable_by_batch_size(tiny_llama_path, spec_configs):
         assert not drafting or len(engine.scheduler.running) <= 2
     assert engine.stats().spec_decode.num_drafts > 0
     _check_idle(llm)
+
+
+def test_serve_config_check_names_a_bad_speculative_config():
+    """A shipped-config check (app.builder.validate_args, run by app.config_check) fails at
+    once on a speculative_config the engine would refuse."""
+    from app.builder import BuildArgs, validate_args
+
+    for spec, message in (
+        ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
+        ({"method": "eagle", "num_speculative_tokens": 2, "model": "no-such-head"}, "model"),
+    ):
+        args = BuildArgs(max_model_len=512, engine_args={"speculative_config": spec})
+        with pytest.raises(ValueError, match=f"speculative_config.{message}"):
+            validate_args(args)
