@@ -200,7 +200,10 @@ class KVCacheManager:
         blocks = self.pool.allocate(missing)
         if blocks is None:
             return False
-        request.block_table.extend(b.block_id for b in blocks)
+        # In id order: a prompt's blocks then form runs of consecutive ids in both engines of
+        # a KV handoff, and a run is one transfer descriptor (kv_layout.py), not one per
+        # block. The pool's eviction order (which blocks are taken) is unchanged.
+        request.block_table.extend(sorted(b.block_id for b in blocks))
         return True
 
     def trim(self, request: Request, num_tokens: int) -> None:
