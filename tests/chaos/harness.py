@@ -14,8 +14,8 @@ After the kill the harness measures how long until a fresh request of the same k
 every replica, survivors and replacement, to be back at its idle baseline: no request running
 or waiting, no KV block used or held, no KV ticket in a router, no image being encoded.
 
-Cases for replicas that hold request state (decode, colocated) add a migration count; the
-report carries the field so such a case is one more ``ChaosCase``.
+A case for a replica that holds request state (decode, colocated) is one more ``ChaosCase``
+with ``max_failed=0`` and a ``migrations`` counter; the report has the migrated column.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ class ChaosCase:
 
     ``kill_after_s``: when the kill lands after the load starts. ``probe``: a request of the
     same kind that must succeed again after the kill. ``max_failed``: how many requests may
-    fail cleanly (None: any; a case whose requests migrate sets 0).
+    fail cleanly (None: any; a case whose requests migrate sets 0, and ``migrations``).
     """
 
     name: str
@@ -251,6 +251,9 @@ class ChaosCase:
     kill_after_s: float = 0.5
     max_failed: int | None = None
     request_deadline_s: float = 90.0
+    # The app's cumulative count of migrated requests (for deployments that migrate them,
+    # e.g. from the PD router's stats); the report shows the difference over the case.
+    migrations: Callable[[str], int] | None = None
 
 
 @dataclass
@@ -293,6 +296,7 @@ def run_case(
     the outcome. Serve's replacement of the replica is timed in the background
     (``report.replacement``); the survivors must be back at their baseline on return."""
     replicas = running_replicas(app_details(app), case.deployment)
+    migrated_before = case.migrations(app) if case.migrations else 0
     with ThreadPoolExecutor(case.concurrency) as pool:
         futures = [pool.submit(outcome, base, call, case.request_deadline_s) for call in case.calls]
         time.sleep(case.kill_after_s)
@@ -312,6 +316,8 @@ def run_case(
         kind: results.count(kind) for kind in (COMPLETED, FAILED_CLEANLY, UNCLEAN, HUNG)
     }
     report.baseline_s = wait_baseline(app, dead={victim["replica_id"]})
+    if case.migrations:
+        report.migrated = case.migrations(app) - migrated_before
     return report
 
 
