@@ -9,10 +9,15 @@ heads x 64, 720 KiB of KV per 16-token block):
    READ; object_store: the ref read on the decode side) and the import (object_store: the
    array written into the decode blocks; nixl has none: the READ lands in them). A plain
    memory copy of the same bytes in the decode actor is the bandwidth reference.
-2. End to end, the colocated app and the disaggregated app over each transport, loaded in
+2. The second token without Serve, per prompt in turn: one engine's decode step after its
+   first token (colocated) against each transport's path on the decode actor after the
+   prefill actor's export: the Ray hop, the receive (the peer loaded once), the read or the
+   payload's import, the decode engine's first step.
+3. End to end, the colocated app and the disaggregated app over each transport, loaded in
    turn (A B C A B C ...): TTFT, TPOT and the second token's latency, p50 / p99.
 
     python bench/kv_handoff.py --prompt-lens 128,1024,4096 --requests 4 --output-len 16
+    python bench/kv_handoff.py --parts components,second     # without the Serve apps
 
 Prints tables and writes bench/results/kv_handoff.json.
 """
@@ -46,7 +51,7 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(length)]
 
 
-def make_side(num_blocks: int, max_model_len: int):  # noqa: ANN201 - a Ray actor class
+def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa: ANN201 - an actor class
     import ray
 
     @ray.remote(num_cpus=0.5)
@@ -60,11 +65,13 @@ def make_side(num_blocks: int, max_model_len: int):  # noqa: ANN201 - a Ray acto
             from neuron_runtime import EngineArgs, LLMEngine
 
             torch.set_num_threads(1)
+            # The default KV budget (512 MiB here): the cache regions as large as a replica's.
             args = EngineArgs(
                 model=MODEL,
                 max_model_len=max_model_len,
                 num_kv_blocks=num_blocks,
                 enable_prefix_caching=False,
+                num_threads=threads,
             )
             self.engine = LLMEngine.from_engine_args(args)
             self.transports = {}
@@ -86,7 +93,60 @@ def make_side(num_blocks: int, max_model_len: int):  # noqa: ANN201 - a Ray acto
                     handoff = out.kv_handoff or handoff
             start = time.perf_counter()
             handoff = self.transports[transport].export(handoff)
-            return handoff, time.perf_counter() - start
+            return handoff, time.perf_counter() - start, time.time()
+
+        async def colocated(self, prompt: list[int]) -> float:
+            """One engine doing it all: the time from the first token's output to the second's
+            (the colocated app's TPOT at this prompt length, without Serve)."""
+            from neuron_runtime import RequestOutputKind, SamplingParams
+
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            self.engine.add_request("c", prompt, params, RequestOutputKind.DELTA)
+            times = []
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.outputs[0].token_ids:
+                        times.append(time.perf_counter())
+            return times[1] - times[0]
+
+        async def second_token(self, transport: str, handoff, prompt: list[int], sent: float):  # noqa: ANN001, ANN201
+            """The decode replica's path after the prefill replica's export: the ticket's
+            arrival, the receive, the engine's read (or payload import), its first decode
+            step; wall-clock times relative to ``sent`` (time.time() at export)."""
+            import dataclasses
+
+            from neuron_runtime import RequestOutputKind, SamplingParams
+            from neuron_runtime.kv_transfer import KVBlockSource
+
+            arrived = time.time()
+            start = time.perf_counter()
+            kv = await self.transports[transport].receive(handoff, 30.0)
+            received = time.perf_counter()
+            params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+            self.engine.add_request(
+                "d",
+                prompt,
+                params,
+                RequestOutputKind.DELTA,
+                handoff=dataclasses.replace(handoff, kv=kv),
+            )
+            out_at = None
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.outputs[0].token_ids:
+                        out_at = time.perf_counter()
+            row = {
+                "hop_ms": (arrived - sent) * 1e3,
+                "receive_ms": (received - start) * 1e3,
+                "total_ms": (arrived - sent) * 1e3 + (out_at - start) * 1e3,
+            }
+            if isinstance(kv, KVBlockSource):
+                row["until_read_ms"] = (kv.started_at - received) * 1e3
+                row["read_ms"] = (kv.done_at - kv.started_at) * 1e3
+                row["step_ms"] = (out_at - kv.done_at) * 1e3
+            else:
+                row["import_and_step_ms"] = (out_at - received) * 1e3
+            return row
 
         async def held_blocks(self) -> int:
             return self.engine.stats().num_kv_blocks_held
@@ -99,7 +159,8 @@ def make_side(num_blocks: int, max_model_len: int):  # noqa: ANN201 - a Ray acto
 
             engine = self.engine
             num_blocks = len(handoff.block_ids)
-            blocks = [b.block_id for b in engine.kv.pool.allocate(num_blocks)]
+            # In id order, as the engine's scheduler puts them into a block table.
+            blocks = sorted(b.block_id for b in engine.kv.pool.allocate(num_blocks))
             start = time.perf_counter()
             kv = await self.transports[transport].receive(handoff, 30.0)
             received = time.perf_counter()
@@ -134,8 +195,7 @@ def make_side(num_blocks: int, max_model_len: int):  # noqa: ANN201 - a Ray acto
 def components(args: argparse.Namespace, lengths: list[int]) -> dict:
     import ray
 
-    blocks = -(-max(lengths) // 16) + 8
-    side = make_side(blocks, max(lengths) + 64)
+    side = make_side(None, max(lengths) + 64, args.threads)
     prefill, decode = side.remote(), side.remote()
     rng = random.Random(0)
     rows: dict = {}
@@ -143,7 +203,7 @@ def components(args: argparse.Namespace, lengths: list[int]) -> dict:
         for transport in ("nixl", "object_store"):
             samples = []
             for _ in range(args.requests):
-                handoff, export_s = ray.get(
+                handoff, export_s, _ = ray.get(
                     prefill.prefill.remote(transport, random_prompt(rng, length))
                 )
                 got = ray.get(decode.receive.remote(transport, handoff))
@@ -155,6 +215,41 @@ def components(args: argparse.Namespace, lengths: list[int]) -> dict:
                     time.sleep(0.005)
             rows[f"{length}/{transport}"] = aggregate(samples)
             print_component(length, transport, rows[f"{length}/{transport}"])
+    ray.kill(prefill)
+    ray.kill(decode)
+    return rows
+
+
+def second_token(args: argparse.Namespace, lengths: list[int]) -> dict:
+    """The second token without Serve: colocated (one engine's decode step after the first
+    token) against each transport (export -> Ray hop -> receive -> read or import -> the
+    decode engine's first step), in turn per prompt, the stages of each."""
+    import ray
+
+    side = make_side(None, max(lengths) + 64, args.threads)
+    prefill, decode = side.remote(), side.remote()
+    rng = random.Random(2)
+    rows: dict = {}
+    for length in lengths:
+        samples: dict[str, list[dict]] = {"colocated": [], "nixl": [], "object_store": []}
+        for _ in range(args.requests):
+            prompt = random_prompt(rng, length)
+            ms = ray.get(decode.colocated.remote(prompt)) * 1e3
+            samples["colocated"].append({"total_ms": ms, "step_ms": ms})
+            for transport in ("nixl", "object_store"):
+                handoff, _, sent = ray.get(prefill.prefill.remote(transport, prompt))
+                row = ray.get(decode.second_token.remote(transport, handoff, prompt, sent))
+                samples[transport].append(row)
+                deadline = time.monotonic() + 10
+                while ray.get(prefill.held_blocks.remote()):
+                    assert time.monotonic() < deadline, "prefill blocks still held"
+                    time.sleep(0.005)
+        for name, values in samples.items():
+            row = {k: statistics.median(v[k] for v in values) for k in values[0]}
+            row["n"] = len(values)
+            rows[f"{length}/{name}"] = row
+            stages = "  ".join(f"{k[:-3]} {v:.1f}" for k, v in row.items() if k.endswith("_ms"))
+            print(f"{length:>5} tok {name:<12} {stages} ms", flush=True)
     ray.kill(prefill)
     ray.kill(decode)
     return rows
@@ -259,7 +354,10 @@ def main() -> None:
     parser.add_argument("--prompt-lens", default="128,1024,4096")
     parser.add_argument("--requests", type=int, default=4, help="per prompt length and app")
     parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--parts", default="components,e2e")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU kernel threads of each actor's engine"
+    )
+    parser.add_argument("--parts", default="components,second,e2e")
     parser.add_argument("--json", default="bench/results/kv_handoff.json")
     args = parser.parse_args()
     lengths = [int(x) for x in args.prompt_lens.split(",")]
@@ -270,6 +368,9 @@ def main() -> None:
         if "components" in parts:
             print("-- components: export (prefill side), transfer, import; medians", flush=True)
             result["components"] = components(args, lengths)
+        if "second" in parts:
+            print("-- second token without Serve: stages, medians", flush=True)
+            result["second_token"] = second_token(args, lengths)
         if "e2e" in parts:
             print("-- end to end, one request at a time, apps in turn", flush=True)
             result["end_to_end"] = end_to_end(args, lengths, port)
