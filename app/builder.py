@@ -136,6 +136,9 @@ class BuildArgs(BaseModel):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     max_n: int = Field(8, ge=1)
     max_prompts: int = Field(16, ge=1)
+    # Tokens after a request's first travel over step channels (router/streams.py): one Ray
+    # message per engine step per downstream replica; false: one per request per step.
+    step_channels: bool = True
     health_stall_timeout_s: float = Field(30.0, gt=0)
 
     @field_validator("engine_args")
@@ -286,7 +289,7 @@ def build_openai_app(
     else:
         llm = (
             as_deployment(LLMServer)
-            .options(**(llm_options or {}))
+            .options(request_router_config=_pinning_router(), **(llm_options or {}))
             .bind(engine_args, llm_engine_cls, args.health_stall_timeout_s)
         )
     embedder = (
@@ -300,6 +303,7 @@ def build_openai_app(
         "max_body_bytes": args.max_body_bytes,
         "max_n": args.max_n,
         "max_prompts": args.max_prompts,
+        "step_channels": args.step_channels,
         "image_limits": args.multimodal.image_limits(),
     }
     return (
@@ -375,7 +379,16 @@ def _disaggregated(
                 mm.max_pixels,
             )
         )
-    return as_deployment(PDRouter).bind(prefill, decode, pd.prefill_retries, encoder)
+    return (
+        as_deployment(PDRouter)
+        .options(request_router_config=_pinning_router())
+        .bind(prefill, decode, pd.prefill_retries, encoder, args.step_channels)
+    )
+
+
+def _pinning_router() -> RequestRouterConfig:
+    """Power of two choices, and step channels to the replica they name (router/streams.py)."""
+    return _router_config(request_router_class="router.request_routers:LoadRouter")
 
 
 def has_vision_tower(model: str) -> bool:

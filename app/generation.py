@@ -36,7 +36,7 @@ class PromptStream:
     """A prompt's engine stream, its first step already received."""
 
     first: StepOutput
-    rest: Any  # ray.serve.handle.DeploymentResponseGenerator (or any async iterator)
+    rest: Any  # router.streams.Followed (or any async iterator, with cancel() to abort)
 
     async def steps(self) -> AsyncIterator[StepOutput]:
         yield self.first

@@ -73,6 +73,7 @@ class IngressConfig:
     max_body_bytes: int = 1 << 20
     max_n: int = 8
     max_prompts: int = 16
+    step_channels: bool = True
     max_embedding_inputs: int = 128
     retry_after_s: int = 1
     # ImageLimits fields (app/images.py): caps on image bytes, pixels and count, remote URLs.
@@ -92,7 +93,9 @@ class OpenAIIngress:
         self.llm_stream = llm.options(stream=True)
         # Tokens after a request's first come over step channels, one message per engine
         # step for all of this replica's requests on an engine (or PD router) replica.
-        self.steps = StepSubscriber(self.llm_stream, "ingress")
+        self.steps = StepSubscriber(
+            self.llm_stream, "ingress", min_requests=2 if self.config.step_channels else None
+        )
         self.embedder = embedder
         engine_config = EngineArgs(**self.config.engine_args).create_engine_config()
         self.tokenizer = Tokenizer(engine_config.model.path)

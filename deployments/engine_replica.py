@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import math
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
@@ -14,7 +15,8 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from deployments import ray_metrics
-from deployments.protocol import ImagePart, SeqDelta, StepOutput
+from deployments.protocol import ChannelRequest, ImagePart, SeqDelta, StepOutput
+from deployments.step_channel import StepPublisher
 from neuron_runtime import AsyncEngine, EngineArgs
 from neuron_runtime.multimodal import MultiModalInput
 from neuron_runtime.outputs import RequestOutput
@@ -54,6 +56,7 @@ class EngineReplica:
             self.replica_id, deployment = context.replica_id.unique_id, context.deployment
         except (RuntimeError, RayServeException):  # outside a replica (unit tests, benchmarks)
             self.replica_id, deployment = "local", type(self).__name__
+        self.publisher = StepPublisher(self.replica_id)
         # Serve runs one replica per actor process: its instruments are the process's.
         self.metrics = ray_metrics.EngineMetrics(
             deployment, str(args.model), record=self.replica_id != "local"
@@ -62,6 +65,12 @@ class EngineReplica:
 
     def stats(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}
+
+    async def channel(self, request: ChannelRequest) -> AsyncIterator[list[tuple[str, StepOutput]]]:
+        """A downstream's step channel: its requests' steps after their first, one message
+        per wake-up (deployments/step_channel.py)."""
+        async for batch in self.publisher.channel(request):
+            yield batch
 
     def check_health(self) -> None:
         """Ray Serve's health probe: raises when the engine loop died or is stuck."""

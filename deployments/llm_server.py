@@ -6,7 +6,7 @@ token ids in and streams token ids (+ logprobs and finish info) out, as plain da
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from ray import serve
 
@@ -25,12 +25,20 @@ from neuron_runtime import RequestOutputKind, SamplingParams
 class LLMServer(EngineReplica):
     """Serves ``generate`` streams from one engine (prefill and decode together)."""
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        """Streams one StepOutput per engine step until the request finishes.
+    async def generate(
+        self, request: GenerateRequest, subscriber: str | None = None
+    ) -> AsyncIterator[StepOutput]:
+        """Streams one StepOutput per engine step until the request finishes; with a
+        ``subscriber`` only the first, the rest going over its step channel.
 
         ValueError (invalid prompt or params) comes out of the first iteration; a caller that
-        stops iterating (client gone, stop string found) aborts the request in the engine.
+        cancels the call (client gone, stop string found) aborts the request in the engine.
         """
+        steps = self._steps(request)
+        async for step in self.publisher.publish(subscriber, request.request_id, steps):
+            yield step
+
+    async def _steps(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         images = await image_inputs(request.images)

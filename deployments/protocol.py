@@ -102,6 +102,11 @@ class StepOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Multimodal serving, on the first output: what encoding the request's images cost.
     image_encodes: list[EncodeResult] | None = None
+    # A request submitted with a subscriber (deployments/step_channel.py): the step's index
+    # in the request, and on its first step, unless finished, the replica whose step channel
+    # may carry the rest.
+    seq: int | None = None
+    channel: str | None = None
 
 
 @dataclass
@@ -143,3 +148,12 @@ class DecodeRequest:
     # W3C trace context (traceparent, tracestate) of the caller's span when the request is
     # traced (neuron_runtime/tracing.py); None otherwise.
     trace_context: dict[str, str] | None = None
+
+
+@dataclass
+class ChannelRequest:
+    """Open a step channel: the outbox of ``subscriber`` on the replica ``replica_id`` (the
+    request routers pin the call to that replica)."""
+
+    subscriber: str
+    replica_id: str

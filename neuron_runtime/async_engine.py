@@ -194,17 +194,37 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
                 self._send(request_id, RuntimeError(f"engine step failed: {exc!r}"))
             return
+        # One hand-over per event loop for the whole step: each call_soon_threadsafe wakes
+        # the loop (a write to its self-pipe) and takes the GIL from this thread.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for output in outputs:
-            self._send(output.request_id, output)
+            target = self._take_sink(output.request_id, output.finished)
+            if target is not None:
+                batches.setdefault(target[0], []).append((target[1], output))
+        for loop, batch in batches.items():
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+                loop.call_soon_threadsafe(_put_all, batch)
 
     def _send(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        target = self._sinks.get(request_id)
+        final = isinstance(item, BaseException) or item.finished
+        target = self._take_sink(request_id, final)
         if target is None:
             return
         loop, sink = target
-        final = isinstance(item, BaseException) or item.finished
-        if final:
-            del self._sinks[request_id]
         # A RuntimeError means the caller's event loop is closed: nobody is listening.
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(sink.put_nowait, item)
+
+    def _take_sink(
+        self, request_id: str, final: bool
+    ) -> tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None:
+        """The request's loop and queue; forgotten after its final item."""
+        target = self._sinks.get(request_id)
+        if target is not None and final:
+            del self._sinks[request_id]
+        return target
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for sink, item in batch:
+        sink.put_nowait(item)

@@ -11,6 +11,10 @@ colocated or split. Per request:
 The first token goes to the client before the KV moves, so the handoff adds to the second
 token's latency, not to TTFT. ``n > 1`` is split into n single-sequence pipelines (child i
 gets seed + i, as in the engine) whose streams are merged.
+
+Tokens after the first travel over step channels (deployments/step_channel.py) on both hops:
+from each decode replica to this router, one message per engine step for all of this
+router's requests there, and from this router to each ingress replica likewise.
 """
 
 from __future__ import annotations
@@ -29,14 +33,16 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from deployments.protocol import (
+    ChannelRequest,
     DecodeRequest,
     GenerateRequest,
     PrefillResult,
     SeqDelta,
     StepOutput,
 )
+from deployments.step_channel import StepPublisher
 from router.encoder_router import EncoderRouter
-from router.streams import merge
+from router.streams import Followed, StepSubscriber, merge
 
 logger = logging.getLogger("ray.serve")
 
@@ -61,6 +67,7 @@ class PDRouter:
         decode: DeploymentHandle,
         prefill_retries: int = 1,
         encoder: DeploymentHandle | None = None,
+        step_channels: bool = True,
     ) -> None:
         self.prefill = prefill
         # Images go to vision encoder replicas first; without them the prefill replica
@@ -75,9 +82,26 @@ class PDRouter:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except (RuntimeError, RayServeException):  # constructed outside a replica (unit tests)
             self.replica_id = "local"
+        self.publisher = StepPublisher(self.replica_id)
+        self.decode_steps = StepSubscriber(
+            self.decode, f"pd:{self.replica_id}", min_requests=2 if step_channels else None
+        )
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[StepOutput]:
-        """Streams the request's StepOutputs; errors propagate like LLMServer's."""
+    async def generate(
+        self, request: GenerateRequest, subscriber: str | None = None
+    ) -> AsyncIterator[StepOutput]:
+        """Streams the request's StepOutputs (with a ``subscriber``, the first only and the
+        rest over its step channel); errors propagate like LLMServer's."""
+        steps = self._generate(request)
+        async for step in self.publisher.publish(subscriber, request.request_id, steps):
+            yield step
+
+    async def channel(self, request: ChannelRequest) -> AsyncIterator[list[tuple[str, StepOutput]]]:
+        """An ingress replica's step channel (deployments/step_channel.py)."""
+        async for batch in self.publisher.channel(request):
+            yield batch
+
+    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
         encodes = None
         if request.images and self.encoder is not None:
             images, encodes = await self.encoder.encode(request.images)
@@ -123,17 +147,34 @@ class PDRouter:
         )
         del result
         self.num_kv_refs_held += 1
-        # A stream=True handle: remote() returns a DeploymentResponseGenerator.
-        stream = cast(DeploymentResponseGenerator, self.decode.generate.remote(decode_request))
+        steps = self.decode_steps
+        steps.expect(request.request_id)
+        # A stream=True handle: remote() returns a DeploymentResponseGenerator. It carries the
+        # first decode step; the others come over the decode replica's step channel.
+        stream = cast(
+            DeploymentResponseGenerator,
+            self.decode.generate.remote(decode_request, steps.subscriber),
+        )
         # Refs in the ticket (the object store's KV, NIXL's agent info): Ray keeps them alive
         # until the decode call ends.
         del decode_request
+        rest: Followed | None = None
         try:
-            async for step in stream:
+            first = await anext(stream, None)
+            if first is None:
+                return
+            rest = steps.follow(request.request_id, first, stream)
+            self._note(first.stats)
+            yield _reindexed(first, index)
+            async for step in rest:
                 self._note(step.stats)
                 yield _reindexed(step, index)
         finally:
-            stream.cancel()  # a no-op once the stream has ended
+            if rest is None:
+                steps.forget(request.request_id)
+                stream.cancel()
+            else:
+                rest.cancel()  # a no-op once the request has ended
             self.num_kv_refs_held -= 1
 
     async def _prefill(self, request: GenerateRequest) -> PrefillResult:

@@ -9,6 +9,7 @@ the replica (router/route_trace.py).
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from ray.serve.request_router import (
@@ -19,11 +20,13 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from deployments.protocol import ChannelRequest
 from neuron_runtime.kv_transfer import prompt_block_hashes
 from router.policies import (
     KVCapacityPolicy,
     PrefixAffinityPolicy,
     ReplicaLoad,
+    power_of_two,
     rendezvous_rank,
 )
 from router.route_trace import RouteTrace
@@ -49,6 +52,17 @@ def _request(pending: PendingRequest | None) -> Any:
 def _prompt_hashes(request: Any) -> tuple[str, ...]:
     """The prompt's block hash chain; blocks with image placeholders name their image."""
     return prompt_block_hashes(request.prompt_token_ids, request.images or None)
+
+
+def _pinned(
+    candidates: list[RunningReplica], pending: PendingRequest | None
+) -> list[list[RunningReplica]] | None:
+    """The replica a step channel names (every candidate if it is gone); None for others."""
+    request = _request(pending)
+    if not isinstance(request, ChannelRequest):
+        return None
+    named = [r for r in candidates if r.replica_id.unique_id == request.replica_id]
+    return [named or candidates]
 
 
 class _PolicyRouter(FIFOMixin, RequestRouter):
@@ -121,7 +135,7 @@ class KVCapacityRouter(_PolicyRouter):
         self.trace = RouteTrace("decode")
 
     def _blocks_needed(self, request: Any, candidates: list[RunningReplica]) -> int:
-        if request is None:
+        if request is None or isinstance(request, ChannelRequest):
             return 0
         block_size = max(
             (int((r.routing_stats or {}).get("block_size", 16)) for r in candidates), default=16
@@ -134,6 +148,9 @@ class KVCapacityRouter(_PolicyRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
         request = _request(pending_request)
         needed = self._blocks_needed(request, candidate_replicas)
         loads = [_load(self, r) for r in candidate_replicas]
@@ -164,6 +181,25 @@ class KVCapacityRouter(_PolicyRouter):
             reason = "kv_capacity" if free is not None and free >= needed else "queue_length"
             self.trace.routed(pending_request, replica_id.unique_id, reason, kv_free_blocks=free)
         self.policy.record(needed, replica_id.unique_id)
+
+
+class LoadRouter(_PolicyRouter):
+    """LLMServer and PDRouter replicas: power of two choices on queue length; step channels
+    to the replica they name."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.rng = random.Random(kwargs.get("seed"))
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
+        loads = [_load(self, r) for r in candidate_replicas]
+        return self._ranked(candidate_replicas, [power_of_two(loads, self.rng), loads])
 
 
 class RendezvousRouter(_PolicyRouter):

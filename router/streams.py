@@ -1,12 +1,19 @@
-"""Merging async streams: items of several iterators as they come."""
+"""Async streams: merging several as their items come, and the receiving end of step channels."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
+from deployments.protocol import ChannelRequest
+
 _END = object()
+
+# A channel the upstream refused (back-pressure, the replica gone) is tried again after this.
+CHANNEL_RETRY_S = 1.0
 
 
 async def merge(
@@ -45,3 +52,137 @@ async def merge(
     finally:
         for task in tasks:
             task.cancel()
+
+
+class StepSubscriber:
+    """The receiving end of step channels (deployments/step_channel.py) in one downstream
+    replica, demultiplexed into per-request queues.
+
+    ``follow`` turns a submit call whose first step already came into the request's later
+    steps, in order, whichever way each came (the submit call or a channel). A channel to an
+    upstream replica is opened once ``min_requests`` of this replica's requests run there at
+    the same time (below that, a channel saves no messages; None: never) and kept while
+    both live: it takes one of the upstream's ongoing-request slots. A request ends with its
+    finished step, or with the error its submit call raised, or with the error that ended the
+    channel it was on (its replica died).
+    """
+
+    def __init__(self, handle: Any, name: str, min_requests: int | None = 2) -> None:
+        # A stream=True DeploymentHandle of the upstream deployment.
+        self.handle = handle
+        self.subscriber = f"{name}:{uuid.uuid4().hex[:12]}"
+        self.min_requests = min_requests
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.owners: dict[str, str] = {}  # request id -> the replica serving it
+        self.channels: dict[str, asyncio.Task] = {}  # replica id -> its channel's reader
+        self.retry_at: dict[str, float] = {}  # replica id -> when to try a refused channel again
+
+    def expect(self, request_id: str) -> None:
+        """Before the submit call: later steps may come on an open channel before its first."""
+        if request_id in self.queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.queues[request_id] = asyncio.Queue()
+
+    def forget(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+        self.owners.pop(request_id, None)
+
+    def follow(self, request_id: str, first: Any, submit: Any) -> Followed:
+        """The steps after ``first`` of the request submitted as ``submit``."""
+        queue = self.queues[request_id]
+        if first.finished or first.channel is None:
+            self.forget(request_id)
+            return Followed(self, request_id, first, submit, queue)
+        replica = self.owners[request_id] = first.channel
+        if self.min_requests is None:
+            return Followed(self, request_id, first, submit, queue)
+        if replica not in self.channels and time.monotonic() >= self.retry_at.get(replica, 0.0):
+            running = sum(1 for owner in self.owners.values() if owner == replica)
+            if running >= self.min_requests:
+                self.channels[replica] = asyncio.create_task(self._read(replica))
+        return Followed(self, request_id, first, submit, queue)
+
+    async def _read(self, replica_id: str) -> None:
+        opened = False
+        error: BaseException = RuntimeError(f"the step channel of replica {replica_id} ended")
+        try:
+            channel = self.handle.channel.remote(ChannelRequest(self.subscriber, replica_id))
+            async for batch in channel:
+                opened = True
+                for request_id, step in batch:
+                    queue = self.queues.get(request_id)
+                    if queue is not None:  # else aborted here; the engine is dropping it too
+                        queue.put_nowait(step)
+        except Exception as exc:  # noqa: BLE001 - the replica died, refused or was full
+            error = exc
+        finally:
+            if self.channels.get(replica_id) is asyncio.current_task():
+                del self.channels[replica_id]
+        if not opened:
+            # Refused (back-pressure, the replica gone): nothing went over it; the requests
+            # there go on over their submit calls. Try again later.
+            self.retry_at[replica_id] = time.monotonic() + CHANNEL_RETRY_S
+            return
+        for request_id, owner in list(self.owners.items()):
+            if owner == replica_id:
+                queue = self.queues.get(request_id)
+                self.forget(request_id)
+                if queue is not None:
+                    queue.put_nowait(error)
+
+
+class Followed:
+    """One request's steps after its first (an async iterator, in ``seq`` order), and how to
+    abort it."""
+
+    def __init__(
+        self, hub: StepSubscriber, request_id: str, first: Any, submit: Any, queue: asyncio.Queue
+    ) -> None:
+        self.hub = hub
+        self.request_id = request_id
+        self.submit = submit
+        self.queue = queue
+        self.done = first.finished
+        self.next_seq = None if first.seq is None else first.seq + 1
+        # Steps the submit call carries (no channel, or none yet) and its error, if any.
+        self.watch = None if self.done else asyncio.create_task(self._watch())
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._steps()
+
+    async def _steps(self) -> AsyncGenerator[Any, None]:
+        early: dict[int, Any] = {}  # steps that overtook an earlier one
+        while not self.done:
+            if self.next_seq is not None and self.next_seq in early:
+                item = early.pop(self.next_seq)
+            else:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    self.done = True
+                    self.hub.forget(self.request_id)
+                    raise item
+                if self.next_seq is not None and item.seq != self.next_seq:
+                    early[item.seq] = item
+                    continue
+            if self.next_seq is not None:
+                self.next_seq += 1
+            if item.finished:
+                self.done = True
+                self.hub.forget(self.request_id)
+            yield item
+
+    async def _watch(self) -> None:
+        try:
+            async for step in self.submit:
+                self.queue.put_nowait(step)
+        except Exception as exc:  # noqa: BLE001 - the request's own error
+            self.queue.put_nowait(exc)
+
+    def cancel(self) -> None:
+        """Aborts the request unless it has ended (the client left, a stop string matched)."""
+        self.hub.forget(self.request_id)
+        if not self.done:
+            self.done = True
+            self.submit.cancel()
+            if self.watch is not None:
+                self.watch.cancel()

@@ -299,6 +299,8 @@ def _open_stream(url: str, body: dict, num_events: int):
 
 
 def test_client_disconnect_mid_decode_frees_every_replica(pd_server):
+    """Two streams at once, so their tokens travel over step channels (decode -> PD router
+    -> ingress): the one whose client leaves is aborted, the other runs to its end."""
     url = f"{pd_server}/pd/v1/completions"
     body = {
         "model": MODEL,
@@ -308,9 +310,16 @@ def test_client_disconnect_mid_decode_frees_every_replica(pd_server):
         "stream": True,
     }
     ctx, _ = _open_stream(url, body, 4)
-    decode = replica_stats("DecodeServer", "pd", 1)
-    assert next(iter(decode.values()))["num_running"] == 1
-    ctx.__exit__(None, None, None)
+    other, lines = _open_stream(url, {**body, "max_tokens": 120}, 4)
+    try:
+        decode = replica_stats("DecodeServer", "pd", 1)
+        assert next(iter(decode.values()))["num_running"] == 2
+        ctx.__exit__(None, None, None)
+        events = [line for line in lines if line.startswith("data: ")]
+    finally:
+        other.__exit__(None, None, None)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
     wait_idle("pd", 2)
 
 
@@ -410,18 +419,21 @@ def test_decode_replica_killed_mid_stream_ends_with_error_and_done(fault_server)
         "ignore_eos": True,
         "stream": True,
     }
-    ctx, lines = _open_stream(url, body, 3)
+    # Two streams at once: their tokens travel over step channels, which the kill ends.
+    streams = [_open_stream(url, body, 3) for _ in range(2)]
     try:
         from ray.serve._private.common import DeploymentID, ReplicaID
 
         (replica_id,) = replica_stats("DecodeServer", "pdfault", 1)
         name = ReplicaID(replica_id, DeploymentID("DecodeServer", "pdfault")).to_full_id_str()
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-        events = [line for line in lines if line.startswith("data: ")]
+        endings = [[line for line in lines if line.startswith("data: ")] for _, lines in streams]
     finally:
-        ctx.__exit__(None, None, None)
-    assert events[-1] == "data: [DONE]"
-    assert "error" in json.loads(events[-2][6:]), events[-2]
+        for ctx, _ in streams:
+            ctx.__exit__(None, None, None)
+    for events in endings:
+        assert events[-1] == "data: [DONE]"
+        assert "error" in json.loads(events[-2][6:]), events[-2]
     deadline = time.monotonic() + 120
     short = {"model": "tiny", "prompt": [5, 6], "max_tokens": 3}
     while True:

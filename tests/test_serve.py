@@ -175,6 +175,33 @@ def test_chat_stream_equals_non_stream_and_reports_usage(client):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
+def test_concurrent_streams_equal_offline_llm(client, offline_llm):
+    """Streams at once share step channels (one message per engine step for all of them):
+    each still gets exactly the offline engine's greedy text, and the engine ends idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from neuron_runtime import SamplingParams
+
+    prompts = [f"Count from {i} to {i + 20}:" for i in range(1, 7)]
+    lengths = [10 + 3 * i for i in range(len(prompts))]
+
+    def stream(i: int) -> str:
+        chunks = client.completions.create(
+            model=MODEL, prompt=prompts[i], max_tokens=lengths[i], temperature=0, stream=True
+        )
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    baseline = llm_stats()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(stream, range(len(prompts))))
+    expected = [
+        offline_llm.generate(p, SamplingParams(temperature=0, max_tokens=n))[0].outputs[0].text
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    assert got == expected
+    wait_engine_idle(baseline)
+
+
 def test_completion_n2_seeds_reproducible_and_streaming(client):
     kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=7)
     first = client.completions.create(**kwargs, n=2)
@@ -437,6 +464,10 @@ def test_client_disconnect_aborts_in_engine(server):
         for _ in range(3):
             next(lines)
         assert llm_stats()["num_running"] >= 1
+    wait_engine_idle(baseline)
+
+
+def wait_engine_idle(baseline: dict) -> None:
     deadline = time.monotonic() + 30
     while True:
         stats = llm_stats()
