@@ -57,7 +57,12 @@ def eagle_paths(tmp_path_factory, tiny_llama_path):
 @pytest.fixture(scope="module")
 def spec_configs(tiny_llama_path, draft_1layer_path, eagle_paths) -> dict[str, dict]:
     return {
-        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 4,
+        },
         # The target itself as the draft: every draft accepted, k + 1 tokens per step.
         "draft_same": {
             "method": "draft_model",
@@ -386,3 +391,22 @@ def test_serve_config_check_names_a_bad_speculative_config():
         args = BuildArgs(max_model_len=512, engine_args={"speculative_config": spec})
         with pytest.raises(ValueError, match=f"speculative_config.{message}"):
             validate_args(args)
+
+
+def test_backoff_when_drafts_keep_failing(tiny_llama_path, spec_configs):
+    """Drafts that are never accepted: the request stops proposing for 8, then 16, ... steps,
+    so most steps decode one token; without back-off every step drafts."""
+    counts = {}
+    for rate in (0.0, 0.1):
+        config = {**spec_configs["eagle"], "min_acceptance_rate": rate}
+        llm = LLM(
+            model=str(tiny_llama_path),
+            max_model_len=MAX_MODEL_LEN,
+            num_kv_blocks=64,
+            speculative_config=config,
+        )
+        llm.generate(PROMPTS[2], greedy(60))
+        stats = llm.engine.stats().spec_decode
+        assert stats.num_accepted_tokens == 0
+        counts[rate] = stats.num_drafts
+    assert counts[0.0] >= 40 and counts[0.1] <= 6

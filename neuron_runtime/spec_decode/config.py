@@ -97,15 +97,17 @@ class SpeculativeConfig:
 
     @property
     def lookup_min(self) -> int:
+        """Unset: ``prompt_lookup_max`` (short matches in free text predict little)."""
         if self.prompt_lookup_min is not None:
             return self.prompt_lookup_min
-        return min(self.lookup_max, 1) if self.prompt_lookup_max is not None else 1
+        return self.lookup_max
 
     @property
     def lookup_max(self) -> int:
+        """Unset: ``prompt_lookup_min``, or 3 when neither is set."""
         if self.prompt_lookup_max is not None:
             return self.prompt_lookup_max
-        return max(self.prompt_lookup_min or 0, 3)
+        return self.prompt_lookup_min or 3
 
     def self_speculative(self, target_name: str) -> bool:
         """True when the draft is the target's own first ``num_draft_layers`` layers."""

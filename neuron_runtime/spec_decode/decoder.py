@@ -33,9 +33,11 @@ if TYPE_CHECKING:
     from neuron_runtime.model_runner import ModelRunner, ModelRunnerOutput, StepInputs
 
 # Acceptance back-off: a request whose recent acceptance (an exponential average over its
-# verify steps) falls below ``min_acceptance_rate`` skips this many steps, then tries again.
+# verify steps) falls below ``min_acceptance_rate`` skips steps, 8 the first time, twice as
+# many each time in a row (at most 64); a verify step that accepts a draft resets it.
 BACKOFF_STEPS = 8
-ACCEPTANCE_DECAY = 0.7
+MAX_BACKOFF_STEPS = 64
+ACCEPTANCE_DECAY = 0.5
 
 
 class Proposer(Protocol):
@@ -72,6 +74,7 @@ def speculates(request: Request) -> bool:
 class _Acceptance:
     rate: float = 1.0
     skip_steps: int = 0
+    next_backoff: int = BACKOFF_STEPS
 
 
 class SpecDecoder:
@@ -139,7 +142,8 @@ class SpecDecoder:
         if state.skip_steps > 0:
             state.skip_steps -= 1
             if state.skip_steps == 0:
-                state.rate = 1.0  # try again
+                # Try again; one more step without acceptance backs off again.
+                state.rate = self.config.min_acceptance_rate
             return True
         return False
 
@@ -148,8 +152,11 @@ class SpecDecoder:
         state = self._acceptance.setdefault(req_id, _Acceptance())
         rate = num_accepted / num_drafts
         state.rate = ACCEPTANCE_DECAY * state.rate + (1 - ACCEPTANCE_DECAY) * rate
-        if state.rate < self.config.min_acceptance_rate:
-            state.skip_steps = BACKOFF_STEPS
+        if num_accepted:
+            state.next_backoff = BACKOFF_STEPS
+        elif state.rate < self.config.min_acceptance_rate:
+            state.skip_steps = state.next_backoff
+            state.next_backoff = min(2 * state.next_backoff, MAX_BACKOFF_STEPS)
 
     def after_forward(
         self, step: StepInputs, hidden: torch.Tensor, result: ModelRunnerOutput
