@@ -290,8 +290,7 @@ def _report(capsys, tally: Tally) -> None:
 def test_completion_requests(fuzz_app, capsys) -> None:
     tally = Tally("completions")
 
-    @FUZZ
-    @settings(max_examples=60)
+    @settings(FUZZ, max_examples=60)
     @given(body=completion_bodies())
     def run(body: dict[str, Any]) -> None:
         status, answer = post(fuzz_app, "/v1/completions", body)
@@ -306,8 +305,7 @@ def test_completion_requests(fuzz_app, capsys) -> None:
 def test_chat_requests(fuzz_app, capsys) -> None:
     tally = Tally("chat completions")
 
-    @FUZZ
-    @settings(max_examples=50)
+    @settings(FUZZ, max_examples=50)
     @given(body=chat_bodies())
     def run(body: dict[str, Any]) -> None:
         status, answer = post(fuzz_app, "/v1/chat/completions", body)
@@ -345,8 +343,7 @@ def test_embedding_and_token_requests(fuzz_app, capsys) -> None:
         st.builds(lambda p: ("/tokenize", {"prompt": p}), texts),
     )
 
-    @FUZZ
-    @settings(max_examples=40)
+    @settings(FUZZ, max_examples=40)
     @given(request=requests)
     def run(request: tuple[str, dict[str, Any]]) -> None:
         path, body = request
@@ -363,8 +360,7 @@ def test_hostile_bodies(fuzz_app, capsys) -> None:
     400 (the field named where the JSON parsed), never a 5xx."""
     tally = Tally("raw bodies")
 
-    @FUZZ
-    @settings(max_examples=40)
+    @settings(FUZZ, max_examples=40)
     @given(request=raw_bodies())
     def run(request: tuple[str, bytes]) -> None:
         path, raw = request
@@ -384,8 +380,7 @@ def test_n_times_max_tokens_beyond_the_kv_cache(fuzz_app, capsys) -> None:
     never stuck; the answer is the whole n x max_tokens."""
     tally = Tally("n x max_tokens")
 
-    @FUZZ
-    @settings(max_examples=3)
+    @settings(FUZZ, max_examples=3)
     @given(n=st.integers(5, 8), prompt_len=st.integers(1, 64), stream=st.booleans())
     def run(n: int, prompt_len: int, stream: bool) -> None:
         max_tokens = 256 - prompt_len
