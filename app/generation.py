@@ -8,13 +8,15 @@ raised from ``events()``; the caller turns them into an SSE error event.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from app.metrics import RequestTimer
 from app.text import SequenceText, TokenLogprobs
-from deployments.protocol import StepOutput
+from deployments.protocol import GenerateRequest, StepOutput
+from router.migration import MAX_MIGRATIONS, Migrating, resume_sampling
 from router.streams import merge
 
 
@@ -33,20 +35,56 @@ class ChoiceEvent:
 
 @dataclass
 class PromptStream:
-    """A prompt's engine stream, its first step already received."""
+    """A prompt's engine stream, its first step already received.
+
+    With ``request`` and ``reopen`` (the ingress's submit), a single-sequence request whose
+    replica is lost mid-stream is resumed on another one (router/migration.py).
+    """
 
     first: StepOutput
     rest: Any  # router.streams.Followed (or any async iterator, with cancel() to abort)
+    request: GenerateRequest | None = None
+    reopen: Callable[[GenerateRequest], Awaitable[PromptStream]] | None = None
+    max_migrations: int = MAX_MIGRATIONS
 
     async def steps(self) -> AsyncIterator[StepOutput]:
-        yield self.first
-        async for step in self.rest:
+        request = self.request
+        if self.reopen is None or request is None or int(request.sampling.get("n") or 1) != 1:
+            async for step in _chain(self.first, self.rest):
+                yield step
+            return
+        migrating = Migrating(
+            _chain(self.first, self.rest),
+            self._resume,
+            max_tokens=request.sampling.get("max_tokens"),
+            max_migrations=self.max_migrations,
+            cancel=lambda _: self.cancel(),
+        )
+        async for step in migrating:
             yield step
+
+    async def _resume(self, tokens: list[int], attempt: int) -> AsyncIterator[StepOutput]:
+        assert self.request is not None and self.reopen is not None
+        request = dataclasses.replace(
+            self.request,
+            request_id=f"{self.request.request_id}.m{attempt}",
+            sampling=resume_sampling(self.request.sampling),
+            resume_token_ids=tokens,
+        )
+        stream = await self.reopen(request)
+        self.rest = stream.rest
+        return _chain(stream.first, stream.rest)
 
     def cancel(self) -> None:
         cancel = getattr(self.rest, "cancel", None)
         if cancel is not None:
             cancel()
+
+
+async def _chain(first: StepOutput, rest: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
+    yield first
+    async for step in rest:
+        yield step
 
 
 class Generation:
@@ -127,6 +165,8 @@ class Generation:
 
     def _account(self, step: StepOutput) -> None:
         self.timer.tokens(sum(len(d.token_ids) for d in step.seqs))
+        if step.migrated:
+            self.timer.metrics.request_migrations.inc()
         if step.queue_time_s is not None:
             self.timer.metrics.queue_time.observe(step.queue_time_s)
         transfer = step.kv_transfer

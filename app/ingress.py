@@ -74,6 +74,8 @@ class IngressConfig:
     max_n: int = 8
     max_prompts: int = 16
     step_channels: bool = True
+    # Times a request may resume on another replica after its own was lost (router/migration.py).
+    max_migrations: int = 3
     max_embedding_inputs: int = 128
     retry_after_s: int = 1
     # ImageLimits fields (app/images.py): caps on image bytes, pixels and count, remote URLs.
@@ -97,6 +99,8 @@ class OpenAIIngress:
             self.llm_stream, "ingress", min_requests=2 if self.config.step_channels else None
         )
         self.embedder = embedder
+        # A colocated engine's requests migrate here when their replica is lost mid-stream.
+        self.colocated = llm.deployment_name == "LLMServer"
         engine_config = EngineArgs(**self.config.engine_args).create_engine_config()
         self.tokenizer = Tokenizer(engine_config.model.path)
         self.limits = Limits(
@@ -340,7 +344,16 @@ class OpenAIIngress:
             if isinstance(getattr(exc, "cause", None), BackPressureError):
                 raise self._overloaded() from exc
             raise OpenAIError(500, f"generation failed: {_first_line(exc)}") from exc
-        return PromptStream(first, self.steps.follow(request.request_id, first, stream))
+        rest = self.steps.follow(request.request_id, first, stream)
+        if not self.colocated:
+            return PromptStream(first, rest)  # the PD router migrates its own requests
+        return PromptStream(
+            first,
+            rest,
+            request,
+            self._open,
+            self.config.max_migrations,
+        )
 
     def _overloaded(self) -> OpenAIError:
         return OpenAIError(

@@ -141,6 +141,12 @@ class ServingMetrics:
             labels,
             registry=r,
         ).labels(model_name)
+        self.request_migrations = Counter(
+            "neuron:request_migrations",
+            "Requests resumed on another replica after theirs was lost mid-stream",
+            labels,
+            registry=r,
+        ).labels(model_name)
         self.encoder_queue_time = Histogram(
             "neuron:encoder_queue_time_seconds",
             "Time an image waited for a vision encoder batch",

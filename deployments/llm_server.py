@@ -13,6 +13,7 @@ from ray import serve
 from deployments.engine_replica import EngineReplica, image_inputs, to_step_output
 from deployments.protocol import GenerateRequest, StepOutput
 from neuron_runtime import RequestOutputKind, SamplingParams
+from neuron_runtime.kv_transfer import KVHandoff, KVMetadata
 
 
 @serve.deployment(
@@ -44,10 +45,24 @@ class LLMServer(EngineReplica):
         images = await image_inputs(request.images)
         first = True
         async for out in self.engine.generate(
-            prompt, params, request.request_id, kind=RequestOutputKind.DELTA, **images
+            prompt,
+            params,
+            request.request_id,
+            kind=RequestOutputKind.DELTA,
+            handoff=self._resumed(request),
+            **images,
         ):
             step = to_step_output(out, with_queue_time=first)
             first = False
             if out.finished:
                 step.stats = self.stats()
             yield step
+
+    def _resumed(self, request: GenerateRequest) -> KVHandoff | None:
+        """A migrated request (router/migration.py) goes on after the tokens its lost replica
+        produced: a handoff without KV, so the engine recomputes prompt and tokens."""
+        if not request.resume_token_ids:
+            return None
+        model = self.engine.engine.config.model
+        metadata = KVMetadata.describe(model, request.prompt_token_ids)
+        return KVHandoff(metadata, list(request.resume_token_ids))

@@ -66,6 +66,9 @@ class GenerateRequest:
     # W3C trace context (traceparent, tracestate) of the caller's span when the request is
     # traced (neuron_runtime/tracing.py); None otherwise.
     trace_context: dict[str, str] | None = None
+    # A migrated request (router/migration.py): the tokens its lost replica already produced
+    # and streamed. The engine recomputes them, counts them as output and goes on after them.
+    resume_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -107,6 +110,8 @@ class StepOutput:
     # may carry the rest.
     seq: int | None = None
     channel: str | None = None
+    # The first step after the request resumed on another replica (router/migration.py).
+    migrated: bool = False
 
 
 @dataclass

@@ -42,6 +42,7 @@ from deployments.protocol import (
 )
 from deployments.step_channel import StepPublisher
 from router.encoder_router import EncoderRouter
+from router.migration import MAX_MIGRATIONS, Migrating, is_replica_lost, raising, resume_sampling
 from router.streams import Followed, StepSubscriber, merge
 
 logger = logging.getLogger("ray.serve")
@@ -68,6 +69,7 @@ class PDRouter:
         prefill_retries: int = 1,
         encoder: DeploymentHandle | None = None,
         step_channels: bool = True,
+        max_migrations: int = MAX_MIGRATIONS,
     ) -> None:
         self.prefill = prefill
         # Images go to vision encoder replicas first; without them the prefill replica
@@ -78,6 +80,8 @@ class PDRouter:
         self.prefill_retries = prefill_retries
         self.replica_stats: dict[str, dict[str, Any]] = {}  # latest snapshot per engine replica
         self.num_kv_refs_held = 0
+        self.max_migrations = max_migrations
+        self.num_migrations = 0  # requests resumed after their decode replica was lost
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except (RuntimeError, RayServeException):  # constructed outside a replica (unit tests)
@@ -137,45 +141,94 @@ class PDRouter:
         yield _reindexed(result.step, index)
         if result.handoff is None:
             return  # the request ended on its first token
+        handoff = result.handoff
         decode_request = DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             # The prompt's logprobs came with the prefill output; decode does not redo them.
-            sampling={**request.sampling, "prompt_logprobs": None},
-            handoff=result.handoff,
+            sampling=resume_sampling(request.sampling),
+            handoff=handoff,
             images=request.images,
         )
+        first_tokens = [t for delta in result.step.seqs for t in delta.token_ids]
         del result
+        # A decode replica lost mid-stream: the request resumes on another one, which
+        # recomputes prompt + the tokens passed on so far (a handoff without KV or ticket).
+        bare = dataclasses.replace(
+            handoff, ticket=None, kv=None, generator_state=None, block_ids=(), layout=None
+        )
+        del handoff
+        resumable = dataclasses.replace(decode_request, handoff=bare)
+
+        async def reopen(tokens: list[int], attempt: int) -> AsyncIterator[StepOutput]:
+            resumed = dataclasses.replace(
+                resumable,
+                request_id=f"{request.request_id}.m{attempt}",
+                handoff=dataclasses.replace(bare, output_token_ids=tokens),
+            )
+            return await self._open_decode(resumed)
+
         self.num_kv_refs_held += 1
+        try:
+            try:
+                first_steps = await self._open_decode(decode_request)
+            except Exception as exc:
+                if not is_replica_lost(exc):
+                    raise
+                first_steps = raising(exc)
+            # Refs in the ticket (the object store's KV, NIXL's agent info): Ray keeps them
+            # alive until the decode call ends.
+            del decode_request
+            migrating = Migrating(
+                first_steps,
+                reopen,
+                max_tokens=request.sampling.get("max_tokens"),
+                max_migrations=self.max_migrations,
+                on_migrate=self._migrated,
+                tokens=first_tokens,
+            )
+            async with contextlib.aclosing(migrating.steps()) as steps:
+                async for step in steps:
+                    yield _reindexed(step, index)
+        finally:
+            self.num_kv_refs_held -= 1
+
+    async def _open_decode(self, request: DecodeRequest) -> AsyncIterator[StepOutput]:
+        """Submits a decode call and waits for its first step; the call's steps."""
         steps = self.decode_steps
         steps.expect(request.request_id)
         # A stream=True handle: remote() returns a DeploymentResponseGenerator. It carries the
         # first decode step; the others come over the decode replica's step channel.
         stream = cast(
             DeploymentResponseGenerator,
-            self.decode.generate.remote(decode_request, steps.subscriber),
+            self.decode.generate.remote(request, steps.subscriber),
         )
-        # Refs in the ticket (the object store's KV, NIXL's agent info): Ray keeps them alive
-        # until the decode call ends.
-        del decode_request
-        rest: Followed | None = None
         try:
             first = await anext(stream, None)
-            if first is None:
-                return
-            rest = steps.follow(request.request_id, first, stream)
+        except BaseException:
+            steps.forget(request.request_id)
+            stream.cancel()
+            raise
+        if first is None:
+            steps.forget(request.request_id)
+            stream.cancel()
+            raise RuntimeError("the decode replica returned no output")
+        return self._followed(first, steps.follow(request.request_id, first, stream))
+
+    async def _followed(
+        self, first: StepOutput, rest: Followed
+    ) -> AsyncGenerator[StepOutput, None]:
+        try:
             self._note(first.stats)
-            yield _reindexed(first, index)
+            yield first
             async for step in rest:
                 self._note(step.stats)
-                yield _reindexed(step, index)
+                yield step
         finally:
-            if rest is None:
-                steps.forget(request.request_id)
-                stream.cancel()
-            else:
-                rest.cancel()  # a no-op once the request has ended
-            self.num_kv_refs_held -= 1
+            rest.cancel()  # a no-op once the request has ended
+
+    def _migrated(self) -> None:
+        self.num_migrations += 1
 
     async def _prefill(self, request: GenerateRequest) -> PrefillResult:
         """One prefill call, retried once on another replica if the replica was lost."""
@@ -207,7 +260,11 @@ class PDRouter:
     def stats(self) -> list[dict[str, Any]]:
         """The latest load snapshot of every engine replica this router has heard from, and
         this router's own (KV tickets it holds for requests being decoded)."""
-        own = {"replica_id": f"router:{self.replica_id}", "num_kv_refs_held": self.num_kv_refs_held}
+        own = {
+            "replica_id": f"router:{self.replica_id}",
+            "num_kv_refs_held": self.num_kv_refs_held,
+            "num_migrations": self.num_migrations,
+        }
         return [*self.replica_stats.values(), own]
 
     async def check_health(self) -> None:

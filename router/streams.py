@@ -16,6 +16,11 @@ _END = object()
 CHANNEL_RETRY_S = 1.0
 
 
+class ChannelLost(RuntimeError):
+    """A step channel ended while requests were on it: their replica died or the channel
+    broke. The requests' owner may resume them elsewhere (router/migration.py)."""
+
+
 async def merge(
     iterators: Sequence[AsyncIterator[Any]],
 ) -> AsyncGenerator[tuple[int, Any], None]:
@@ -104,7 +109,7 @@ class StepSubscriber:
 
     async def _read(self, replica_id: str) -> None:
         opened = False
-        error: BaseException = RuntimeError(f"the step channel of replica {replica_id} ended")
+        error: BaseException = ChannelLost(f"the step channel of replica {replica_id} ended")
         try:
             channel = self.handle.channel.remote(ChannelRequest(self.subscriber, replica_id))
             async for batch in channel:
@@ -114,7 +119,8 @@ class StepSubscriber:
                     if queue is not None:  # else aborted here; the engine is dropping it too
                         queue.put_nowait(step)
         except Exception as exc:  # noqa: BLE001 - the replica died, refused or was full
-            error = exc
+            error = ChannelLost(f"the step channel of replica {replica_id} ended: {exc}")
+            error.__cause__ = exc
         finally:
             if self.channels.get(replica_id) is asyncio.current_task():
                 del self.channels[replica_id]
