@@ -14,6 +14,7 @@ import torch
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+import deployments.parallel_ranks  # noqa: F401  (distributed_executor_backend "ray")
 from deployments import ray_metrics
 from deployments.protocol import ChannelRequest, ImagePart, SeqDelta, StepOutput
 from deployments.step_channel import StepPublisher

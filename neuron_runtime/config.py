@@ -155,6 +155,9 @@ class GraphConfig:
 
 
 COLLECTIVE_BACKENDS = ("gloo", "nccl", "xla")
+# How ranks 1..tp-1 start: "mp" processes of this host; "ray" actors in the Serve replica's
+# placement group (deployments/parallel_ranks.py registers it).
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,7 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1
     collective_backend: str | None = None
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -181,6 +185,11 @@ class ParallelConfig:
             raise ValueError(
                 f"collective_backend must be one of {', '.join(COLLECTIVE_BACKENDS)}, "
                 f"got {self.collective_backend!r}"
+            )
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
             )
 
     @property

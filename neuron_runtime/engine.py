@@ -296,6 +296,9 @@ class LLMEngine:
                 self.kv.hold(read.hold_key, block_ids)
                 self._reads[seq.req_id] = read
                 try:
+                    if self.config.parallel.tensor_parallel_size > 1:
+                        # A block read lands in rank 0's cache only: the payload path re-splits.
+                        raise KVTransferError("block reads need tensor_parallel_size 1")
                     source.start(block_ids)
                 except KVTransferError as exc:
                     self._read_failed(seq.req_id, exc, failed)

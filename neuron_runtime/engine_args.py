@@ -60,6 +60,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # "ray": rank actors in the replica's bundles
     # Speculative decoding, vLLM's keys (spec_decode/config.py): {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 3}, draft_model, eagle, eagle3.
     speculative_config: dict[str, Any] | None = None
@@ -83,6 +84,7 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
         )
         check_shardable(model, parallel)
         plan = self._plan_kv_cache(model, limit)

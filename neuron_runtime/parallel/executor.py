@@ -9,9 +9,11 @@ import); reads (``num_blocks``, ``generator_state``) are answered by rank 0's ru
 rank samples the same tokens (the logits are gathered whole, generators seeded alike); rank 0's
 are the ones the engine keeps.
 
-Locally the ranks are ``multiprocessing`` processes joined by gloo (CPU), nccl (CUDA) or xla
-(Neuron). A rank that dies breaks the group: ``check_health`` reports it, and rank 0's next
-collective fails instead of waiting.
+Ranks 1..tp-1 start through a launcher named by ``distributed_executor_backend``: "mp",
+``multiprocessing`` processes of this host; "ray", actors in the Serve replica's placement
+group (registered by deployments/parallel_ranks.py, as this package imports no Ray). They join
+rank 0 by gloo (CPU), nccl (CUDA) or xla (Neuron). A rank that dies breaks the group:
+``check_health`` reports it, and rank 0's next collective fails instead of waiting.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import atexit
 import multiprocessing as mp
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import IntEnum
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -48,6 +51,39 @@ DEVICE_COLLECTIVES = {"cpu": "gloo", "cuda": "nccl", "xla": "xla", "neuron": "xl
 
 def collective_backend(config: EngineConfig) -> str:
     return config.parallel.collective_backend or DEVICE_COLLECTIVES[config.device]
+
+
+class RankHandle(Protocol):
+    """A started rank other than 0: a process or an actor."""
+
+    def is_alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+# (config, rank, init_method) -> the started rank, running ``run_worker``
+RankLauncher = Callable[[EngineConfig, int, str], RankHandle]
+
+
+def spawn_rank(config: EngineConfig, rank: int, init_method: str) -> RankHandle:
+    """Rank ``rank`` as a spawned process of this host."""
+    proc = mp.get_context("spawn").Process(
+        target=run_worker,
+        args=(config, rank, init_method),
+        name=f"neuron-tp-rank{rank}",
+        daemon=True,
+    )
+    proc.start()
+    return proc
+
+
+_LAUNCHERS: dict[str, RankLauncher] = {"mp": spawn_rank}
+
+
+def register_rank_launcher(name: str, launcher: RankLauncher) -> None:
+    _LAUNCHERS[name] = launcher
 
 
 class Call(IntEnum):
@@ -143,22 +179,16 @@ class MultiprocExecutor:
         self.config = config
         tp = config.parallel.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = mp.get_context("spawn")
-        self.workers = [
-            ctx.Process(
-                target=run_worker,
-                args=(config, rank, init_method),
-                name=f"neuron-tp-rank{rank}",
-                daemon=True,
-            )
-            for rank in range(1, tp)
-        ]
+        name = config.parallel.distributed_executor_backend
+        if name not in _LAUNCHERS:
+            raise ValueError(f"distributed_executor_backend {name!r} is not available here")
         # One call at a time, each sent and run whole: the engine's loop and a KV read on
         # another thread (read_kv) must reach every rank in the same order.
         self.lock = threading.Lock()
-        for proc in self.workers:
-            proc.start()
+        self.workers: list[RankHandle] = []
         try:
+            for rank in range(1, tp):
+                self.workers.append(_LAUNCHERS[name](config, rank, init_method))
             self.state = _join_group(config, 0, init_method)
             with use_parallel_state(self.state):
                 self.runner = ModelRunner(config, backend)
