@@ -46,7 +46,7 @@ class FakeEngine:
     def from_engine_args(cls, args):  # noqa: ANN001, ANN206
         return cls()
 
-    async def generate(self, prompt, params, request_id, kind):  # noqa: ANN001, ANN201
+    async def generate(self, prompt, params, request_id, kind, **kwargs):  # noqa: ANN001, ANN003, ANN201
         ids = prompt["prompt_token_ids"]
         now = time.monotonic()
         metrics = {"arrival_time": now, "first_scheduled_time": now}
@@ -77,11 +77,11 @@ class DyingEngine(FakeEngine):
 
     dead = False
 
-    async def generate(self, prompt, params, request_id, kind):  # noqa: ANN001, ANN201
+    async def generate(self, prompt, params, request_id, kind, **kwargs):  # noqa: ANN001, ANN003, ANN201
         if prompt["prompt_token_ids"][0] == DIE_TOKEN:
             self.dead = True
         self.check_health()
-        async for out in super().generate(prompt, params, request_id, kind):
+        async for out in super().generate(prompt, params, request_id, kind, **kwargs):
             yield out
 
     def check_health(self, stall_timeout_s: float = 30.0) -> None:
