@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
 
 from deployments.protocol import SeqDelta, StepOutput
 from router.streams import ChannelLost
@@ -40,11 +41,15 @@ class MigrationFailed(RuntimeError):
 
 def is_replica_lost(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) says the serving replica is gone."""
+    return _caused_by(exc, _LOST)
+
+
+def _caused_by(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
     seen: BaseException | None = exc
     for _ in range(8):
         if seen is None:
             return False
-        if isinstance(seen, _LOST):
+        if isinstance(seen, kinds):
             return True
         seen = seen.__cause__ or getattr(seen, "cause", None)
     return False
@@ -132,7 +137,9 @@ class Migrating:
             try:
                 return await self.reopen(list(self.tokens), self.migrations)
             except Exception as exc:
-                if not is_replica_lost(exc) or time.monotonic() >= deadline:
+                # The replicas left may be full for a moment (back-pressure): wait too.
+                retry = _caused_by(exc, (*_LOST, BackPressureError))
+                if not retry or time.monotonic() >= deadline:
                     raise MigrationFailed(
                         f"could not resume the request after its replica was lost ({lost!r}): "
                         f"{exc!r}"
