@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 from neuron_runtime.layers.activation import activation
+from neuron_runtime.layers.attention import StepMetadata
 from neuron_runtime.layers.moe import FusedMoE
 from neuron_runtime.layers.norm import RMSNorm
 from neuron_runtime.models.llama import (
+    KVCache,
     LlamaAttention,
-    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
@@ -35,8 +36,9 @@ def num_experts(cfg: dict[str, Any]) -> int:
     return int(cfg.get("num_experts") or cfg["num_local_experts"])
 
 
-class MoEDecoderLayer(LlamaDecoderLayer):
-    """A Llama decoder layer whose MLP is a ``FusedMoE`` (or a dense MLP, ``sparse`` False)."""
+class MoEDecoderLayer(nn.Module):
+    """A Llama decoder layer whose MLP is a ``FusedMoE`` (or a dense MLP where the config
+    keeps one)."""
 
     renormalize_key: str | None = "norm_topk_prob"  # config key; None: always renormalize
 
@@ -46,7 +48,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         layer_idx: int = 0,
         attention_cls: type[LlamaAttention] = LlamaAttention,
     ) -> None:
-        nn.Module.__init__(self)
+        super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.self_attn = attention_cls(cfg, layer_idx)
@@ -64,6 +66,19 @@ class MoEDecoderLayer(LlamaDecoderLayer):
             )
         else:
             self.mlp = LlamaMLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: StepMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
     @staticmethod
     def is_sparse(cfg: dict[str, Any], layer_idx: int) -> bool:
