@@ -1,7 +1,9 @@
 """The NIXL KV transport: the decode replica reads the prefill replica's cache blocks into its own.
 
 Each engine replica creates one NIXL agent when it starts and registers its whole KV cache
-with it (2 regions per layer, neuron_runtime/kv_layout.py). What a peer needs to reach that
+with it (2 regions per layer on huge pages, neuron_runtime/kv_layout.py). The agent has no
+progress thread: the decode engine's polls drive its reads and the prefill replica's watch of
+its holds collects the notifications. What a peer needs to reach that
 memory (the agent's metadata: connection details and memory keys; the regions' addresses; the
 cache layout) is put into Ray's object store once, and every ticket carries that ref: a decode
 replica loads a prefill agent the first time one of its tickets arrives. No socket of ours.
