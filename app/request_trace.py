@@ -15,6 +15,8 @@ request span for the latencies (``gen_ai.latency.*``, seconds):
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,13 +28,16 @@ from neuron_runtime import tracing
 
 
 def request_attributes(
-    operation: str,
+    request: Any,
     model: str,
     response_id: str,
     sampling: dict[str, Any],
     num_prompts: int = 1,
 ) -> None:
-    """The request's model and sampling settings on the current root span (if traced)."""
+    """The request's model and sampling settings on the current root span (if traced);
+    ``request`` is the chat or completion request model, ``sampling`` its SamplingParams
+    fields."""
+    operation = "chat" if hasattr(request, "messages") else "text_completion"
     root = tracing.current_span()
     if root is None:
         return
@@ -56,20 +61,25 @@ def request_attributes(
 
 
 class StreamTrace:
-    """Follows one generation's engine steps at the ingress; no-op when not traced.
+    """Follows one generation's engine steps at the ingress; every method is a no-op when the
+    request is not traced.
 
-    ``start`` when the first step of every prompt is in, ``step`` per engine step, ``finish``
-    once (the stream ended, failed or was cancelled).
+    ``start`` once the first step of every prompt is in, ``step`` per engine step, ``finish``
+    once, from the ``finally`` clause around the stream (an exception propagating through it
+    marks the root span as failed; a cancelled stream is noted as such).
     """
 
-    def __init__(self, root: Span, firsts: Sequence[StepOutput]) -> None:
+    def __init__(self, root: Span | None, firsts: Sequence[StepOutput]) -> None:
         self.root = root
-        # ns since the epoch: when the request reached the ingress (the root span's start)
-        self.started: int = getattr(root, "start_time", None) or time.time_ns()
         self.first_token: int | None = None
         self.last_token: int | None = None
         self.num_steps = 0
         self.num_tokens = 0
+        self.stream: Span | None = None
+        if root is None:
+            return
+        # ns since the epoch: when the request reached the ingress (the root span's start)
+        self.started: int = getattr(root, "start_time", None) or time.time_ns()
         self.stream = tracing.start_span("ingress.detokenize_stream", root)
         queue = [s.queue_time_s for s in firsts if s.queue_time_s is not None]
         prefill = [s.prefill_time_s for s in firsts if s.prefill_time_s is not None]
@@ -84,11 +94,12 @@ class StreamTrace:
         )
 
     @classmethod
-    def start(cls, firsts: Sequence[StepOutput]) -> StreamTrace | None:
-        root = tracing.current_span()
-        return None if root is None else cls(root, firsts)
+    def start(cls, firsts: Sequence[StepOutput]) -> StreamTrace:
+        return cls(tracing.current_span(), firsts)
 
     def step(self, step: StepOutput) -> None:
+        if self.root is None:
+            return
         num_tokens = sum(len(d.token_ids) for d in step.seqs)
         self.num_steps += 1
         if num_tokens:
@@ -98,13 +109,15 @@ class StreamTrace:
             self.last_token = now
             self.num_tokens += num_tokens
 
-    def finish(
-        self, num_output_tokens: int, finish_reasons: list[str], error: BaseException | None
-    ) -> None:
+    def finish(self, num_output_tokens: int, finish_reasons: Sequence[str | None]) -> None:
+        if self.root is None:
+            return
+        root, self.root = self.root, None
+        error = sys.exc_info()[1]
         end = time.time_ns()
         attributes: dict[str, Any] = {
             "gen_ai.usage.output_tokens": num_output_tokens,
-            "gen_ai.response.finish_reasons": finish_reasons,
+            "gen_ai.response.finish_reasons": [reason or "none" for reason in finish_reasons],
             "gen_ai.latency.e2e": (end - self.started) / 1e9,
         }
         if self.first_token is not None and self.last_token is not None:
@@ -112,11 +125,15 @@ class StreamTrace:
             attributes["gen_ai.latency.time_to_first_token"] = ttft
             decode = (self.last_token - self.first_token) / 1e9
             attributes["gen_ai.latency.time_in_model_decode"] = decode
-        tracing.set_attributes(self.root, attributes)
+        tracing.set_attributes(root, attributes)
         tracing.set_attributes(
             self.stream,
             {"neuron_serve.num_steps": self.num_steps, "neuron_serve.num_tokens": self.num_tokens},
         )
+        if isinstance(error, GeneratorExit | asyncio.CancelledError):
+            # The consumer stopped early: the client left, or every sequence hit a stop string.
+            tracing.set_attributes(self.stream, {"neuron_serve.closed_early": True})
+            error = None
         if error is not None:
-            tracing.set_error(self.root, error)
+            tracing.set_error(root, error)
         tracing.end(self.stream, error)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import pickle
@@ -35,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TypeVar, cast
@@ -50,6 +52,7 @@ from deployments.protocol import (  # noqa: E402
     StepOutput,
 )
 from neuron_runtime import tracing  # noqa: E402
+from neuron_runtime.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from router.route_trace import RouteTrace  # noqa: E402
 
 T = TypeVar("T")
@@ -74,9 +77,20 @@ def hop(obj: T) -> T:
 
 
 STEPS = [StepOutput([SeqDelta(0, [token])], 128) for token in range(4096)]
+CHAT = SimpleNamespace(messages=[])  # what the ingress passes: a chat request
 
 
-def one_request(index: int, output_tokens: int, routes: dict[str, RouteTrace]) -> None:
+async def engine_outputs(num_outputs: int) -> AsyncIterator[RequestOutput]:
+    """What an engine streams for one request (DELTA outputs, one token each)."""
+    now = time.monotonic()
+    metrics = {"arrival_time": now - 0.003, "first_scheduled_time": now - 0.002}
+    for token in range(num_outputs):
+        yield RequestOutput(
+            "r", None, [], [CompletionOutput(0, "", [token])], False, 0, None, metrics
+        )
+
+
+async def one_request(index: int, output_tokens: int, routes: dict[str, RouteTrace]) -> None:
     """Every tracing hook one PD request passes through, in order."""
     with tracing.root_span("POST /v1/chat/completions", {}, {"url.path": "/v1/chat"}):
         with tracing.span("ingress.validate"):
@@ -84,57 +98,52 @@ def one_request(index: int, output_tokens: int, routes: dict[str, RouteTrace]) -
         with tracing.span("ingress.chat_template") as span:
             tracing.set_attributes(span, {"neuron_serve.prompt_tokens": 128})
         sampling = {"max_tokens": output_tokens, "temperature": 0.0, "n": 1}
-        request_attributes("chat", "model", f"chatcmpl-{index}", sampling)
+        request_attributes(CHAT, "model", f"chatcmpl-{index}", sampling)
         request = GenerateRequest(
             f"r{index}", list(range(128)), sampling, trace_context=tracing.inject()
         )
         request = hop(request)
         # PD router
         router = tracing.start_span("pd_router", request.trace_context)
-        pending = SimpleNamespace(
-            metadata=SimpleNamespace(internal_request_id=str(index)), created_at=time.time()
-        )
-        downstream = GenerateRequest(
-            request.request_id,
-            request.prompt_token_ids,
-            request.sampling,
-            trace_context=tracing.inject(router),
-        )
-        routes["prefill"].note(pending, downstream, {"neuron_serve.route.queue_lengths": [0, 1]})
-        routes["prefill"].routed(pending, "prefill-a", "prefix_match", match_share=1.0)
-        downstream = hop(downstream)
-        # prefill replica
-        now = time.monotonic()
-        prefill = tracing.start_span("prefill", downstream.trace_context)
-        metrics = {"arrival_time": now - 0.003, "first_scheduled_time": now - 0.002}
-        tracing.engine_spans(prefill, "prefill", metrics, now)
-        with tracing.span("kv.export", prefill) as span:
-            tracing.set_attributes(span, {"neuron_serve.kv.transport": "nixl"})
-        tracing.end(prefill)
-        first = StepOutput(
-            [SeqDelta(0, [1])],
-            128,
-            queue_time_s=0.001,
-            prefill_time_s=0.002,
-            kv_transfer=KVTransferInfo("nixl", "export", 1 << 20, 0.001),
-        )
-        first = hop(first)
-        # decode replica
-        routes["decode"].note(pending, downstream, {"neuron_serve.route.kv_free_blocks": [90]})
-        routes["decode"].routed(pending, "decode-a", "kv_capacity", kv_free_blocks=90)
-        decode = tracing.start_span("decode", tracing.inject(router))
-        tracing.record_span("kv.transfer", decode, tracing.now_ns() - 1000, tracing.now_ns())
-        steps = STEPS[: output_tokens - 1]  # what the decode replica streams (not traced)
-        tracing.engine_spans(decode, "decode", metrics, time.monotonic())
-        tracing.end(decode)
-        tracing.end(router)
-        # ingress: detokenize and stream
+        downstream = dataclasses.replace(request, trace_context=tracing.inject(router))
+        async with tracing.ending(router):
+            pending = SimpleNamespace(
+                metadata=SimpleNamespace(internal_request_id=str(index)), created_at=time.time()
+            )
+            routes["prefill"].note(pending, downstream, {"neuron_serve.route.queue_lengths": [0]})
+            routes["prefill"].routed(pending, "prefill-a", "prefix_match", match_share=1.0)
+            downstream = hop(downstream)
+            # prefill replica
+            prefill = tracing.EngineTrace("prefill", downstream.trace_context)
+            async for _ in prefill.follow(engine_outputs(1), end=False):
+                pass
+            transfer = KVTransferInfo("nixl", "export", 1 << 20, 0.001)
+            prefill.kv("kv.export", transfer, time.perf_counter() - 0.001)
+            prefill.end()
+            first = hop(
+                StepOutput([SeqDelta(0, [1])], 128, queue_time_s=0.001, kv_transfer=transfer)
+            )
+            # decode replica
+            routes["decode"].note(pending, downstream, {"neuron_serve.route.kv_free_blocks": [90]})
+            routes["decode"].routed(pending, "decode-a", "kv_capacity", kv_free_blocks=90)
+            decode_request = hop(downstream)  # a DecodeRequest carries the same context
+            decode = tracing.EngineTrace("decode", decode_request.trace_context)
+            async for out in decode.follow(engine_outputs(output_tokens - 1)):
+                if out.outputs[0].token_ids[0] == 0:
+                    decode.kv("kv.transfer", transfer, time.perf_counter() - 0.001)
+        # ingress: detokenize and stream (the decode replica's steps, not traced, are reused)
         stream = StreamTrace.start([first])
-        if stream is not None:
+        try:
             stream.step(first)
-            for step in steps:
+            for step in STEPS[: output_tokens - 1]:
                 stream.step(step)
-            stream.finish(output_tokens, ["length"], None)
+        finally:
+            stream.finish(output_tokens, ["length"])
+
+
+async def requests(count: int, output_tokens: int, routes: dict[str, RouteTrace]) -> None:
+    for i in range(count):
+        await one_request(i, output_tokens, routes)
 
 
 def hooks_part(args: argparse.Namespace) -> dict:
@@ -147,8 +156,7 @@ def hooks_part(args: argparse.Namespace) -> dict:
             for mode in MODES if round_index % 2 else MODES[::-1]:
                 configure(mode, path)
                 start = time.perf_counter()
-                for i in range(args.requests):
-                    one_request(i, args.output_tokens, routes)
+                asyncio.run(requests(args.requests, args.output_tokens, routes))
                 elapsed = time.perf_counter() - start
                 tracing.flush()
                 if round_index:  # the first round warms up

@@ -23,6 +23,7 @@ turns those stamps into queue and compute spans once the request leaves the engi
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import json
@@ -30,9 +31,9 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -155,6 +156,7 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
         ],
         "status": {"code": span.status.status_code.name, "description": span.status.description},
         "service": span.resource.attributes.get("service.name"),
+        "role": span.resource.attributes.get("service.role"),
         "process": span.resource.attributes.get("process.pid"),
     }
 
@@ -326,6 +328,23 @@ def set_error(span: Span | None, error: BaseException | str) -> None:
     span.set_status(Status(StatusCode.ERROR, str(error)[:500]))
 
 
+@contextlib.asynccontextmanager
+async def ending(span: Span | None) -> AsyncIterator[Span | None]:
+    """Ends ``span`` (None is fine) when the block exits; an exception marks it failed, a
+    closed generator or a cancelled task (the client left) does not."""
+    try:
+        yield span
+    except (GeneratorExit, asyncio.CancelledError):
+        set_attributes(span, {"neuron_serve.closed_early": True})
+        end(span)
+        raise
+    except BaseException as exc:
+        end(span, exc)
+        raise
+    else:
+        end(span)
+
+
 def record_span(
     name: str,
     parent: Parent,
@@ -412,3 +431,98 @@ def engine_spans(
         monotonic_to_ns(finished_at),
         attributes,
     )
+
+
+def perf_to_ns(t: float) -> int:
+    """A ``time.perf_counter()`` stamp as ns since the epoch."""
+    return time.time_ns() - int((time.perf_counter() - t) * 1e9)
+
+
+class KVTransferLike(Protocol):
+    transport: str
+    num_bytes: int
+    seconds: float
+    failed: bool
+
+
+class EngineTrace:
+    """One request's span on an engine replica (named ``role``: "prefill", "decode", "engine"),
+    under the trace context the request carried; every method is a no-op when it carried none.
+
+    ``follow`` wraps the engine's output stream: it notes each output's stamps and token count
+    and, once the stream ends (finished, failed or closed), turns the last stamps into
+    ``{role}.queue`` and ``{role}.compute`` spans and ends the span, unless ``end=False`` (the
+    caller has more to do under it and calls ``end`` itself; a failed stream still ends it).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        trace_context: Mapping[str, str] | None,
+        attributes: Attributes | None = None,
+        started: float | None = None,
+    ) -> None:
+        self.role = role
+        self.span: Span | None = None
+        if trace_context is not None and _tracer is not None:
+            start_ns = None if started is None else perf_to_ns(started)
+            self.span = start_span(role, trace_context, attributes, start_ns=start_ns)
+        self.metrics: Mapping[str, float] | None = None
+        self.last_output = 0.0  # monotonic
+        self.num_steps = 0
+        self.num_tokens = 0
+
+    async def follow(self, outputs: AsyncIterator[Any], end: bool = True) -> AsyncIterator[Any]:
+        """The engine's ``RequestOutput`` stream, unchanged (closing this closes it)."""
+        error: BaseException | None = None
+        try:
+            async for out in outputs:
+                if self.span is not None:
+                    self.metrics = out.metrics
+                    self.last_output = time.monotonic()
+                    self.num_steps += 1
+                    self.num_tokens += sum(len(c.token_ids) for c in out.outputs)
+                yield out
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            close = getattr(outputs, "aclose", None)
+            if close is not None:
+                await close()
+            if isinstance(error, GeneratorExit | asyncio.CancelledError):
+                # Closed early (the client left): the request's span ends here in any case.
+                set_attributes(self.span, {"neuron_serve.closed_early": True})
+                self.end()
+            elif end or error is not None:
+                self.end(error)
+
+    def kv(self, name: str, info: KVTransferLike, started: float) -> None:
+        """A KV handoff phase (``info``: deployments.protocol.KVTransferInfo) that began at
+        ``started`` (perf_counter) and took ``info.seconds``."""
+        if self.span is None:
+            return
+        start_ns = perf_to_ns(started)
+        attributes = {
+            "neuron_serve.kv.transport": info.transport,
+            "neuron_serve.kv.num_bytes": info.num_bytes,
+            "neuron_serve.kv.failed": info.failed,
+        }
+        child = record_span(
+            name, self.span, start_ns, start_ns + int(info.seconds * 1e9), attributes
+        )
+        if child is not None and info.failed:
+            child.set_status(Status(StatusCode.ERROR, "the KV transfer failed"))
+
+    def end(self, error: BaseException | str | None = None) -> None:
+        """Records the queue and compute spans and ends the request's span (once)."""
+        span, self.span = self.span, None
+        if span is None:
+            return
+        if self.metrics is not None:
+            steps = {
+                "neuron_serve.num_steps": self.num_steps,
+                "neuron_serve.num_tokens": self.num_tokens,
+            }
+            engine_spans(span, self.role, self.metrics, self.last_output, steps)
+        end(span, error)
