@@ -139,6 +139,9 @@ class BuildArgs(BaseModel):
     # Tokens after a request's first travel over step channels (router/streams.py): one Ray
     # message per engine step per downstream replica; false: one per request per step.
     step_channels: bool = True
+    # A request whose replica (LLMServer, DecodeServer) is lost mid-stream resumes on another
+    # one at most this many times, then ends with an error (router/migration.py).
+    max_migrations: int = Field(3, ge=0)
     health_stall_timeout_s: float = Field(30.0, gt=0)
 
     @field_validator("engine_args")
@@ -304,6 +307,7 @@ def build_openai_app(
         "max_n": args.max_n,
         "max_prompts": args.max_prompts,
         "step_channels": args.step_channels,
+        "max_migrations": args.max_migrations,
         "image_limits": args.multimodal.image_limits(),
     }
     return (
@@ -382,7 +386,14 @@ def _disaggregated(
     return (
         as_deployment(PDRouter)
         .options(request_router_config=_pinning_router())
-        .bind(prefill, decode, pd.prefill_retries, encoder, args.step_channels)
+        .bind(
+            prefill,
+            decode,
+            pd.prefill_retries,
+            encoder,
+            args.step_channels,
+            max_migrations=args.max_migrations,
+        )
     )
 
 
