@@ -281,8 +281,15 @@ class PDRouter:
 async def _merged(
     children: Sequence[AsyncIterator[StepOutput]],
 ) -> AsyncGenerator[StepOutput, None]:
+    """The children's steps as they come; only the last child's final step is ``finished``
+    (the request's end, as for an engine's n > 1 request: each sequence's end is its finish
+    reason), which is where a downstream reading a step channel stops."""
+    remaining = len(children)
     async with contextlib.aclosing(merge(children)) as merged:
         async for _, step in merged:
+            if step.finished:
+                remaining -= 1
+                step.finished = remaining == 0
             yield step
 
 
