@@ -730,7 +730,10 @@ async def serve_rounds(  # noqa: PLR0913
         row.update(app=name, concurrency=c, cpu_s=cpu[name, c])
         row["cores"] = sum(cpu[name, c].values()) / durations[name, c]
         rows[f"{name}@c{c}"] = row
-    for name, (before, after) in scrapes.items():
+    for name, pair in scrapes.items():
+        if len(pair) != 2:  # vLLM: no /metrics of ours
+            continue
+        before, after = pair
         if "neuron:kv_transfer_seconds_count" in after:
             c = max(concurrencies)
             rows[f"{name}@c{c}"]["handoff"] = handoff_figures(
