@@ -198,6 +198,53 @@ def parts_at_batch(llm: LLM, batch: int, kind: str, steps: int = 48) -> dict:
     }
 
 
+def fill_beside_a_forward(llm: LLM, batch: int = 32, steps: int = 30) -> dict:
+    """Whether a fill hides behind work on another thread: one step's mask fill for ``batch``
+    regex rows (on the manager's thread, as the engine runs it) and a stand-in for the
+    forward pass (three [batch, 576] x [576, V] products, one torch thread), timed apart,
+    one after the other and concurrently; medians over ``steps`` positions of an answer."""
+    manager = StructuredOutputManager(llm.engine.structured.compiler)
+    ids = [f"r{i}" for i in range(batch)]
+    for req_id in ids:
+        manager.add(req_id, constraints(steps)["regex"])
+    while not all(manager.status(r, [])[0] for r in ids):
+        manager.wait_for_compiles(0.1)
+    words = [chr(97 + i % 26) + chr(97 + i // 26) for i in range(4 * steps)]
+    tokens = iter(llm.get_tokenizer().encode(" ".join(words) + " ", add_special_tokens=False))
+    hidden, head = torch.randn(batch, 576), torch.randn(576, llm.engine.config.model.vocab_size)
+
+    def forward() -> None:
+        for _ in range(3):
+            hidden @ head
+
+    def fill_then_step(rows: dict) -> None:
+        rows[ids[0]].get()
+        token = next(tokens)
+        for req_id in ids:
+            assert manager.accept(req_id, token)
+
+    times: dict[str, list[float]] = {"fill": [], "forward": [], "sequential": [], "overlapped": []}
+    for _ in range(steps // 3):
+        start = time.perf_counter()
+        fill_then_step(manager.bitmask(ids))
+        times["fill"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        forward()
+        times["forward"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        rows = manager.bitmask(ids)
+        rows[ids[0]].get()
+        forward()
+        fill_then_step(rows)
+        times["sequential"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        rows = manager.bitmask(ids)
+        forward()
+        fill_then_step(rows)
+        times["overlapped"].append(time.perf_counter() - start)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
 def compile_times(llm: LLM) -> dict:
     tokenizer = llm.get_tokenizer()
     vocab = llm.engine.config.model.vocab_size
@@ -333,6 +380,7 @@ def main() -> None:
         decode_overhead(llm, b, args.tokens, args.repeats) for b in args.batch_sizes
     ]
     result["parts"] = [parts_at_batch(llm, b, k) for b in (1, 32) for k in constraints(48)]
+    result["fill_beside_forward_ms"] = fill_beside_a_forward(llm)
     result["machine_end"] = machine()
 
     print(
@@ -359,6 +407,10 @@ def main() -> None:
             f"| {row['batch']} | {row['kind']} | {row['mask_fill_ms']:.3f} "
             f"| {row['bitmask_apply_ms']:.3f} |"
         )
+    overlap = result["fill_beside_forward_ms"]
+    print("\n| batch 32 regex, ms per step | " + " | ".join(overlap) + " |")
+    print("|---|" + "---|" * len(overlap))
+    print("| median | " + " | ".join(f"{v:.1f}" for v in overlap.values()) + " |")
     print("\n| compile | ms |")
     print("|---|---|")
     for name, ms in result["compile_ms"].items():
