@@ -36,6 +36,7 @@ from neuron_runtime.loader import iter_weights, load_hf_config
 from neuron_runtime.model_store import resolve_model
 from neuron_runtime.models.registry import model_class
 from neuron_runtime.tokenizer import Tokenizer
+from neuron_runtime.tracing import DEFAULT_TRACE_FILE
 from router.pd_router import PDRouter
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -113,6 +114,21 @@ class MultimodalArgs(BaseModel):
         }
 
 
+class TracingArgs(BaseModel):
+    """Request traces (neuron_runtime/tracing.py, docs/tracing.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+    # OTLP/HTTP collector (http://host:4318); the OTEL_EXPORTER_OTLP_* variables also select it.
+    otlp_endpoint: str | None = None
+    # The JSON-lines file spans go to without an OTLP endpoint.
+    file: str = Field(DEFAULT_TRACE_FILE, min_length=1)
+    service_name: str = Field("neuron-serve", min_length=1)
+    export_interval_s: float = Field(1.0, gt=0)
+
+
 class BuildArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -121,6 +137,7 @@ class BuildArgs(BaseModel):
     mode: Literal["colocated", "disaggregated"] = "colocated"
     disaggregation: DisaggregationArgs = Field(default_factory=DisaggregationArgs)
     multimodal: MultimodalArgs = Field(default_factory=MultimodalArgs)
+    tracing: TracingArgs = Field(default_factory=TracingArgs)
 
     model: str = "smollm2-135m-instruct"
     served_model_name: str | None = None
@@ -293,7 +310,12 @@ def build_openai_app(
         llm = (
             as_deployment(LLMServer)
             .options(request_router_config=_pinning_router(), **(llm_options or {}))
-            .bind(engine_args, llm_engine_cls, args.health_stall_timeout_s)
+            .bind(
+                engine_args,
+                llm_engine_cls,
+                args.health_stall_timeout_s,
+                tracing_config=args.tracing.model_dump(),
+            )
         )
     embedder = (
         as_deployment(EmbeddingServer).bind(args.embedding_model) if args.embedding_model else None
@@ -309,6 +331,7 @@ def build_openai_app(
         "step_channels": args.step_channels,
         "max_migrations": args.max_migrations,
         "image_limits": args.multimodal.image_limits(),
+        "tracing": args.tracing.model_dump(),
     }
     return (
         as_deployment(OpenAIIngress).options(**(ingress_options or {})).bind(llm, embedder, config)
@@ -344,7 +367,13 @@ def _disaggregated(
             request_router_config=prefill_router,
             **(prefill_options or {}),
         )
-        .bind(engine_args, engine_cls, args.health_stall_timeout_s, transport)
+        .bind(
+            engine_args,
+            engine_cls,
+            args.health_stall_timeout_s,
+            transport,
+            tracing_config=args.tracing.model_dump(),
+        )
     )
     decode = (
         as_deployment(DecodeServer)
@@ -362,6 +391,7 @@ def _disaggregated(
             pd.kv_fetch_timeout_s,
             pd.on_kv_failure,
             transport,
+            tracing_config=args.tracing.model_dump(),
         )
     )
     encoder = None
@@ -392,6 +422,7 @@ def _disaggregated(
             pd.prefill_retries,
             encoder,
             args.step_channels,
+            tracing_config=args.tracing.model_dump(),
             max_migrations=args.max_migrations,
         )
     )

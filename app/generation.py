@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.metrics import RequestTimer
+from app.request_trace import StreamTrace
 from app.text import SequenceText, TokenLogprobs
 from deployments.protocol import GenerateRequest, StepOutput
 from router.migration import MAX_MIGRATIONS, Migrating, resume_sampling
@@ -98,6 +99,7 @@ class Generation:
         self.seq_texts = seq_texts  # [prompt][n]
         self.n = len(seq_texts[0])
         self.timer = timer
+        self.trace = StreamTrace.start([s.first for s in streams])
         self.num_prompt_tokens = sum(s.first.num_prompt_tokens for s in streams)
         self.num_cached_tokens = sum(s.first.num_cached_tokens for s in streams)
         # Per prompt, when prompt_logprobs was asked (the first step carries them).
@@ -162,8 +164,10 @@ class Generation:
             for stream in self.streams:
                 stream.cancel()
             self.timer.finish()
+            self.trace.finish(self.num_completion_tokens, [s.finish_reason for s in self.choices])
 
     def _account(self, step: StepOutput) -> None:
+        self.trace.step(step)
         self.timer.tokens(sum(len(d.token_ids) for d in step.seqs))
         if step.migrated:
             self.timer.metrics.request_migrations.inc()

@@ -45,6 +45,7 @@ from app.protocol import (
     EmbeddingRequest,
     TokenizeRequest,
 )
+from app.request_trace import request_attributes
 from app.responses import ResponsesRequest, response_events, response_object, to_chat_request
 from app.sampling import (
     Constraint,
@@ -57,6 +58,7 @@ from app.sampling import (
 from app.text import SequenceText, chat_logprobs, completion_logprobs, prompt_logprobs
 from app.tools import ToolSetup, hermes_conversation, template_message, tool_setup
 from deployments.protocol import GenerateRequest, ImagePart
+from neuron_runtime import tracing
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.multimodal import place_images, vision_spec
 from neuron_runtime.structured_output import GrammarCompiler, StructuredOutputsParams
@@ -82,6 +84,8 @@ class IngressConfig:
     image_limits: dict[str, Any] = field(default_factory=dict)
     # A grammar (response_format, tools, ...) not compiled within this is refused with a 400.
     grammar_timeout_s: float = 10.0
+    # TracingConfig fields (neuron_runtime/tracing.py); empty: tracing off.
+    tracing: dict[str, Any] = field(default_factory=dict)
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0.25})
@@ -91,6 +95,7 @@ class OpenAIIngress:
         self, llm: DeploymentHandle, embedder: DeploymentHandle | None, config: dict[str, Any]
     ) -> None:
         self.config = IngressConfig(**config)
+        tracing.configure(self.config.tracing, "ingress")
         self.llm = llm
         self.llm_stream = llm.options(stream=True)
         # Tokens after a request's first come over step channels, one message per engine
@@ -185,8 +190,9 @@ class OpenAIIngress:
     ) -> tuple[Generation, ToolSetup | None]:
         """Tools, output constraint, prompt and images checked; the engine streams opened."""
         self._check_model(request.model)
-        tools = tool_setup(request, self.tokenizer.chat_template, self.model_type)
-        constraint = await self._constraint(request, tools)
+        with tracing.span("ingress.output_constraint"):
+            tools = tool_setup(request, self.tokenizer.chat_template, self.model_type)
+            constraint = await self._constraint(request, tools)
         prompt_ids, images = await self._encode_chat(request.messages, tools)
         check_prompt_ids(prompt_ids, self.limits, "messages")
         generation = await self._start(request, [prompt_ids], engine_id, images, constraint)
@@ -235,7 +241,8 @@ class OpenAIIngress:
             raise OpenAIError(400, "echo is not supported", param="echo")
         if request.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
-        prompts = self._encode_prompts(request.prompt)
+        with tracing.span("ingress.tokenize"):
+            prompts = self._encode_prompts(request.prompt)
         constraint = await self._constraint(request)
         generation = await self._start(request, prompts, f"cmpl-{request_id}", None, constraint)
         if request.stream:
@@ -278,7 +285,13 @@ class OpenAIIngress:
     ) -> Generation:
         """Validates, opens one engine stream per prompt and waits for each first step, so
         that rejections (400, 503) still get a proper status code."""
-        fields = [sampling_fields(request, len(ids), self.limits, constraint) for ids in prompts]
+        with tracing.span("ingress.validate"):
+            fields = [
+                sampling_fields(request, len(ids), self.limits, constraint) for ids in prompts
+            ]
+        model = self.config.served_model_name
+        request_attributes(request, model, engine_id, fields[0], len(prompts))
+        trace_context = tracing.inject()  # the root span's, for the engine deployment
         stop = stop_strings(request)
         seq_texts = [
             [
@@ -297,7 +310,9 @@ class OpenAIIngress:
         timer = RequestTimer(self.metrics)
         tasks = [
             asyncio.create_task(
-                self._open(GenerateRequest(f"{engine_id}-{i}", ids, f, list(images or [])))
+                self._open(
+                    GenerateRequest(f"{engine_id}-{i}", ids, f, list(images or []), trace_context)
+                )
             )
             for i, (ids, f) in enumerate(zip(prompts, fields, strict=True))
         ]
@@ -529,7 +544,9 @@ class OpenAIIngress:
             conversation = hermes_conversation(conversation, template_tools or [])
             template_tools = None
         try:
-            ids = self.tokenizer.encode_chat(conversation, template_tools)
+            with tracing.span("ingress.chat_template") as span:
+                ids = self.tokenizer.encode_chat(conversation, template_tools)
+                tracing.set_attributes(span, {"neuron_serve.prompt_tokens": len(ids)})
         except UnicodeError as exc:
             raise OpenAIError(400, f"messages hold invalid text: {exc}", "messages") from exc
         except Exception as exc:  # jinja errors: roles the template refuses, and the like

@@ -22,7 +22,7 @@ from ray import serve
 from deployments.engine_replica import EngineReplica, image_inputs, to_step_output
 from deployments.kv_transport import KVTransportConfig, make_transport
 from deployments.protocol import DecodeRequest, KVTransferInfo, StepOutput
-from neuron_runtime import RequestOutputKind, SamplingParams
+from neuron_runtime import RequestOutputKind, SamplingParams, tracing
 from neuron_runtime.kv_transfer import KVBlockSource, KVPayload
 
 logger = logging.getLogger("ray.serve")
@@ -40,6 +40,8 @@ class KVFetchError(RuntimeError):
     health_check_timeout_s=10,
 )
 class DecodeServer(EngineReplica):
+    trace_role = "decode"
+
     def __init__(
         self,
         engine_args: dict[str, Any],
@@ -48,8 +50,9 @@ class DecodeServer(EngineReplica):
         kv_fetch_timeout_s: float = 10.0,
         on_kv_failure: Literal["recompute", "fail"] = "recompute",
         kv_transport: KVTransportConfig | None = None,
+        tracing_config: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(engine_args, engine_cls, stall_timeout_s)
+        super().__init__(engine_args, engine_cls, stall_timeout_s, tracing_config)
         self.kv_fetch_timeout_s = kv_fetch_timeout_s
         self.on_kv_failure = on_kv_failure
         self.transport = make_transport(kv_transport or KVTransportConfig())
@@ -67,19 +70,23 @@ class DecodeServer(EngineReplica):
     async def _steps(self, request: DecodeRequest) -> AsyncGenerator[StepOutput, None]:
         start = time.perf_counter()
         kv, transfer = await self._receive(request)
+        attributes = {"neuron_serve.replica": self.replica_id}
+        trace = tracing.EngineTrace("decode", request.trace_context, attributes, start)
         handoff = dataclasses.replace(request.handoff, kv=kv)
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         images = await image_inputs(request.images)
         first = True
         try:
-            async for out in self.engine.generate(
-                prompt,
-                params,
-                request.request_id,
-                kind=RequestOutputKind.DELTA,
-                handoff=handoff,
-                **images,
+            async for out in trace.follow(
+                self.engine.generate(
+                    prompt,
+                    params,
+                    request.request_id,
+                    kind=RequestOutputKind.DELTA,
+                    handoff=handoff,
+                    **images,
+                )
             ):
                 step = to_step_output(out)
                 if first:
@@ -89,6 +96,7 @@ class DecodeServer(EngineReplica):
                         if transfer.failed and self.on_kv_failure == "fail":
                             raise KVFetchError(f"the prompt's KV could not be read: {step.error}")
                     step.kv_transfer = transfer
+                    trace.kv("kv.transfer", transfer, start)
                 if out.finished:
                     step.stats = self.stats()
                 yield step

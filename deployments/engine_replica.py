@@ -18,7 +18,7 @@ import deployments.parallel_ranks  # noqa: F401  (distributed_executor_backend "
 from deployments import ray_metrics
 from deployments.protocol import ChannelRequest, ImagePart, SeqDelta, StepOutput
 from deployments.step_channel import StepPublisher
-from neuron_runtime import AsyncEngine, EngineArgs
+from neuron_runtime import AsyncEngine, EngineArgs, tracing
 from neuron_runtime.multimodal import MultiModalInput
 from neuron_runtime.outputs import RequestOutput
 
@@ -35,12 +35,16 @@ def replica_num_threads() -> int | None:
 class EngineReplica:
     """Base of LLMServer, PrefillServer and DecodeServer; tests may pass a fake ``engine_cls``."""
 
+    trace_role = "engine"  # names its spans and its process in traces
+
     def __init__(
         self,
         engine_args: dict[str, Any],
         engine_cls: type[AsyncEngine] | None = None,
         stall_timeout_s: float = 30.0,
+        tracing_config: dict[str, Any] | None = None,
     ) -> None:
+        tracing.configure(tracing_config, self.trace_role)
         # Several replicas, the ingress and Ray share the CPUs: oversubscribed thread pools
         # slow every process down (PERF.md). The engine's pools (the CPU kernels' and torch's)
         # take num_threads, by default the CPUs this replica was given.
@@ -141,10 +145,12 @@ def to_step_output(out: RequestOutput, with_queue_time: bool = False) -> StepOut
         for c in out.outputs
         if c.token_ids or c.finish_reason is not None
     ]
-    queue_time = None
+    queue_time = prefill_time = None
     scheduled = out.metrics.get("first_scheduled_time")
     if with_queue_time and scheduled is not None:
         queue_time = max(0.0, scheduled - out.metrics["arrival_time"])
+        first_token = out.metrics.get("first_token_time")
+        prefill_time = None if first_token is None else max(0.0, first_token - scheduled)
     return StepOutput(
         seqs=seqs,
         num_prompt_tokens=len(out.prompt_token_ids),
@@ -152,5 +158,6 @@ def to_step_output(out: RequestOutput, with_queue_time: bool = False) -> StepOut
         finished=out.finished and out.kv_handoff is None,  # a handed-off request goes on
         error=out.error,
         queue_time_s=queue_time,
+        prefill_time_s=prefill_time,
         prompt_logprobs=out.prompt_logprobs,
     )

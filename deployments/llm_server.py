@@ -12,7 +12,7 @@ from ray import serve
 
 from deployments.engine_replica import EngineReplica, image_inputs, to_step_output
 from deployments.protocol import GenerateRequest, StepOutput
-from neuron_runtime import RequestOutputKind, SamplingParams
+from neuron_runtime import RequestOutputKind, SamplingParams, tracing
 from neuron_runtime.kv_transfer import KVHandoff, KVMetadata
 
 
@@ -40,17 +40,22 @@ class LLMServer(EngineReplica):
             yield step
 
     async def _steps(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        trace = tracing.EngineTrace(
+            "engine", request.trace_context, {"neuron_serve.replica": self.replica_id}
+        )
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         images = await image_inputs(request.images)
         first = True
-        async for out in self.engine.generate(
-            prompt,
-            params,
-            request.request_id,
-            kind=RequestOutputKind.DELTA,
-            handoff=self._resumed(request),
-            **images,
+        async for out in trace.follow(
+            self.engine.generate(
+                prompt,
+                params,
+                request.request_id,
+                kind=RequestOutputKind.DELTA,
+                handoff=self._resumed(request),
+                **images,
+            )
         ):
             step = to_step_output(out, with_queue_time=first)
             first = False

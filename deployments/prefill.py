@@ -19,7 +19,7 @@ from ray import serve
 from deployments.engine_replica import EngineReplica, image_inputs, to_step_output
 from deployments.kv_transport import KVTransportConfig, make_transport
 from deployments.protocol import GenerateRequest, KVTransferInfo, PrefillResult
-from neuron_runtime import RequestOutputKind, SamplingParams
+from neuron_runtime import RequestOutputKind, SamplingParams, tracing
 
 
 @serve.deployment(
@@ -30,30 +30,39 @@ from neuron_runtime import RequestOutputKind, SamplingParams
     health_check_timeout_s=10,
 )
 class PrefillServer(EngineReplica):
+    trace_role = "prefill"
+
     def __init__(
         self,
         engine_args: dict[str, Any],
         engine_cls: type | None = None,
         stall_timeout_s: float = 30.0,
         kv_transport: KVTransportConfig | None = None,
+        tracing_config: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(engine_args, engine_cls, stall_timeout_s)
+        super().__init__(engine_args, engine_cls, stall_timeout_s, tracing_config)
         self.transport = make_transport(kv_transport or KVTransportConfig())
         self.transport.attach(self.engine.engine, self.engine.abort)
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         """Runs the prompt; ValueError (invalid prompt or params) reaches the caller."""
+        trace = tracing.EngineTrace(
+            "prefill", request.trace_context, {"neuron_serve.replica": self.replica_id}
+        )
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         images = await image_inputs(request.images)
         final = None
-        async for out in self.engine.generate(
-            prompt,
-            params,
-            request.request_id,
-            kind=RequestOutputKind.FINAL_ONLY,
-            export_kv=True,
-            **images,
+        async for out in trace.follow(
+            self.engine.generate(
+                prompt,
+                params,
+                request.request_id,
+                kind=RequestOutputKind.FINAL_ONLY,
+                export_kv=True,
+                **images,
+            ),
+            end=False,
         ):
             final = out
         assert final is not None and final.finished
@@ -61,17 +70,21 @@ class PrefillServer(EngineReplica):
         handoff = final.kv_handoff
         if handoff is None:  # the request ended on its first token
             step.stats = self.stats()
+            trace.end()
             return PrefillResult(step, replica_id=self.replica_id)
         start = time.perf_counter()
         try:
             handoff = self.transport.export(handoff)
         except BaseException:
             self.engine.abort(handoff.handoff_id)
+            trace.end("the KV export failed")
             raise
         step.kv_transfer = KVTransferInfo(
             self.transport.name, "export", handoff.num_kv_bytes, time.perf_counter() - start
         )
+        trace.kv("kv.export", step.kv_transfer, start)
         step.stats = self.stats()
+        trace.end()
         return PrefillResult(step, handoff, replica_id=self.replica_id)
 
     def stats(self) -> dict[str, Any]:

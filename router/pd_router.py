@@ -41,6 +41,7 @@ from deployments.protocol import (
     StepOutput,
 )
 from deployments.step_channel import StepPublisher
+from neuron_runtime import tracing
 from router.encoder_router import EncoderRouter
 from router.migration import MAX_MIGRATIONS, Migrating, is_replica_lost, raising, resume_sampling
 from router.streams import Followed, StepSubscriber, merge
@@ -69,8 +70,10 @@ class PDRouter:
         prefill_retries: int = 1,
         encoder: DeploymentHandle | None = None,
         step_channels: bool = True,
+        tracing_config: dict[str, Any] | None = None,
         max_migrations: int = MAX_MIGRATIONS,
     ) -> None:
+        tracing.configure(tracing_config, "router")
         self.prefill = prefill
         # Images go to vision encoder replicas first; without them the prefill replica
         # encodes a request's images itself.
@@ -86,6 +89,7 @@ class PDRouter:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except (RuntimeError, RayServeException):  # constructed outside a replica (unit tests)
             self.replica_id = "local"
+        self._span_attributes = {"neuron_serve.replica": self.replica_id}
         self.publisher = StepPublisher(self.replica_id)
         self.decode_steps = StepSubscriber(
             self.decode, f"pd:{self.replica_id}", min_requests=2 if step_channels else None
@@ -108,8 +112,10 @@ class PDRouter:
     async def _generate(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
         encodes = None
         if request.images and self.encoder is not None:
-            images, encodes = await self.encoder.encode(request.images)
+            images, encodes = await self.encoder.encode(request.images, request.trace_context)
             request = dataclasses.replace(request, images=images)
+        span = tracing.start_span("pd_router", request.trace_context, self._span_attributes)
+        request = dataclasses.replace(request, trace_context=tracing.inject(span))
         n = int(request.sampling.get("n") or 1)
         if n == 1:
             steps = self._pipeline(request)
@@ -121,13 +127,14 @@ class PDRouter:
                         request.prompt_token_ids,
                         child_sampling(request.sampling, i),
                         request.images,
+                        request.trace_context,
                     ),
                     index=i,
                 )
                 for i in range(n)
             ]
             steps = _merged(children)
-        async with contextlib.aclosing(steps):
+        async with contextlib.aclosing(steps), tracing.ending(span):
             async for step in steps:
                 if encodes:
                     step.image_encodes, encodes = encodes, None
@@ -149,6 +156,7 @@ class PDRouter:
             sampling=resume_sampling(request.sampling),
             handoff=handoff,
             images=request.images,
+            trace_context=request.trace_context,
         )
         first_tokens = [t for delta in result.step.seqs for t in delta.token_ids]
         del result

@@ -332,3 +332,229 @@ def test_route_decision_span_names_the_replica_and_why(trace_file):
         "neuron_serve.route.reason": "prefix_match",
         "neuron_serve.route.match_share": 0.75,
     }
+
+
+# -- end to end: the disaggregated app on the shared cluster ----------------------------------
+
+# Who records what, by name: the span's parent and the process role that writes it.
+PD_TREE = {
+    "POST /traced/v1/chat/completions": (None, "ingress"),
+    "ingress.validate": ("POST /traced/v1/chat/completions", "ingress"),
+    "ingress.output_constraint": ("POST /traced/v1/chat/completions", "ingress"),
+    "ingress.chat_template": ("POST /traced/v1/chat/completions", "ingress"),
+    "ingress.detokenize_stream": ("POST /traced/v1/chat/completions", "ingress"),
+    "pd_router": ("POST /traced/v1/chat/completions", "router"),
+    "route.prefill": ("pd_router", "router"),
+    "route.decode": ("pd_router", "router"),
+    "prefill": ("pd_router", "prefill"),
+    "prefill.queue": ("prefill", "prefill"),
+    "prefill.compute": ("prefill", "prefill"),
+    "kv.export": ("prefill", "prefill"),
+    "decode": ("pd_router", "decode"),
+    "kv.transfer": ("decode", "decode"),
+    "decode.queue": ("decode", "decode"),
+    "decode.compute": ("decode", "decode"),
+}
+
+
+@pytest.fixture(scope="module")
+def traced_pd(serve_cluster, tiny_llama_path, tmp_path_factory):
+    """The disaggregated app over the tiny Llama (KV through NIXL), tracing every request to a
+    JSON-lines file."""
+    from ray import serve
+
+    from app.builder import BuildArgs, build_openai_app
+
+    path = tmp_path_factory.mktemp("traces") / "traces.jsonl"
+    small = {"ray_actor_options": {"num_cpus": 0.05}}
+    app = build_openai_app(
+        BuildArgs(
+            mode="disaggregated",
+            model=str(tiny_llama_path),
+            served_model_name="tiny",
+            max_model_len=256,
+            embedding_model=None,
+            engine_args={"num_kv_blocks": 64},
+            tracing={"enabled": True, "file": str(path), "export_interval_s": 0.2},
+        ),
+        prefill_options=small,
+        decode_options=small,
+        ingress_options=small,
+    )
+    serve.run(app, name="traced", route_prefix="/traced")
+    try:
+        yield serve_cluster, path
+    finally:
+        serve.delete("traced")
+
+
+def wait_for_spans(path: Path, trace_id: str, names: set[str], timeout_s: float = 30.0) -> list:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = []
+        if path.exists():
+            lines = path.read_text().splitlines()
+            spans = [s for s in map(json.loads, lines) if s["trace_id"] == trace_id]
+        if names <= {s["name"] for s in spans} or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.2)
+
+
+@pytest.mark.ray
+def test_pd_request_is_one_trace_across_every_replica(traced_pd, tiny_llama_path):
+    from neuron_runtime.tokenizer import Tokenizer
+
+    base, path = traced_pd
+    messages = [{"role": "user", "content": "Name three rivers in Africa."}]
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"traceparent": TRACEPARENT}
+    usage = None
+    with httpx.stream(
+        "POST", f"{base}/traced/v1/chat/completions", json=body, headers=headers, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+    assert usage is not None and usage["completion_tokens"] == 6
+
+    spans = wait_for_spans(path, TRACE_ID, set(PD_TREE))
+    named = by_name(spans)
+    assert set(PD_TREE) <= set(named), f"missing {set(PD_TREE) - set(named)}"
+    assert len(named) == len(spans), "one span per name for one request with n = 1"
+
+    # One tree: every span's parent is in the trace, the root's is the client's span.
+    ids = {s["span_id"]: s for s in spans}
+    root = named["POST /traced/v1/chat/completions"]
+    assert root["parent_span_id"] == PARENT_ID and root["kind"] == "SERVER"
+    for span in spans:
+        if span is not root:
+            assert span["parent_span_id"] in ids, span["name"]
+    for name, (parent, role) in PD_TREE.items():
+        span = named[name]
+        if parent is not None:
+            assert ids[span["parent_span_id"]]["name"] == parent, name
+        assert span["role"] == role, name
+        # Nested in the root's time (one host, one clock; 5 ms for the stamp conversion).
+        assert span["start_time_unix_nano"] >= root["start_time_unix_nano"] - 5_000_000, name
+        assert span["end_time_unix_nano"] <= root["end_time_unix_nano"] + 5_000_000, name
+        assert span["end_time_unix_nano"] >= span["start_time_unix_nano"], name
+    # Four processes: ingress, router, prefill and decode replicas.
+    assert len({(s["role"], s["process"]) for s in spans}) >= 4
+
+    # Root attributes against independent values: the prompt tokenized here, the response's
+    # usage, the latencies ordered.
+    attributes = root["attributes"]
+    prompt_ids = Tokenizer(tiny_llama_path).encode_chat(messages)
+    assert attributes["gen_ai.usage.input_tokens"] == len(prompt_ids) == usage["prompt_tokens"]
+    assert attributes["gen_ai.usage.output_tokens"] == 6
+    assert attributes["gen_ai.request.model"] == "tiny"
+    assert attributes["gen_ai.request.max_tokens"] == 6
+    assert attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert attributes["http.response.status_code"] == 200
+    latency = {
+        k.removeprefix("gen_ai.latency."): v for k, v in attributes.items() if "latency" in k
+    }
+    root_seconds = (root["end_time_unix_nano"] - root["start_time_unix_nano"]) / 1e9
+    assert 0 <= latency["time_in_queue"] < latency["time_to_first_token"]
+    assert 0 < latency["time_in_model_prefill"] < latency["time_to_first_token"]
+    assert latency["time_to_first_token"] <= latency["e2e"] <= root_seconds
+    assert 0 < latency["time_in_model_decode"] <= latency["e2e"] - latency["time_to_first_token"]
+
+    # The prefill engine's stamps agree with what the root reports.
+    prefill_compute = named["prefill.compute"]
+    seconds = (
+        prefill_compute["end_time_unix_nano"] - prefill_compute["start_time_unix_nano"]
+    ) / 1e9
+    assert seconds == pytest.approx(latency["time_in_model_prefill"], abs=0.005)
+    # The KV handoff: the transport on both sides, the bytes exported.
+    export, transfer = named["kv.export"]["attributes"], named["kv.transfer"]["attributes"]
+    assert export["neuron_serve.kv.transport"] == transfer["neuron_serve.kv.transport"] == "nixl"
+    # 2 layers x (K, V) x 2 KV heads x 16 dims x 4 bytes per token, whole 16-token blocks
+    blocks = {-(-len(prompt_ids) // 16), -(-(len(prompt_ids) + 1) // 16)}
+    assert export["neuron_serve.kv.num_bytes"] in {b * 16 * 512 for b in blocks}
+    assert named["decode.compute"]["attributes"]["neuron_serve.num_tokens"] >= 5
+    route = named["route.prefill"]["attributes"]
+    assert route["neuron_serve.route.reason"] in ("prefix_match", "queue_length")
+    assert route["neuron_serve.route.replica"] in route["neuron_serve.route.candidates"]
+
+
+@pytest.mark.ray
+def test_pd_request_the_client_marked_unsampled_is_not_traced(traced_pd):
+    base, path = traced_pd
+    trace_id = "5" * 32
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    response = httpx.post(
+        f"{base}/traced/v1/chat/completions",
+        json=body,
+        headers={"traceparent": f"00-{trace_id}-{PARENT_ID}-00"},
+        timeout=120,
+    )
+    assert response.status_code == 200
+    # A traced request after it: once its spans are written, the unsampled one's would be too.
+    traced_id = "6" * 32
+    response = httpx.post(
+        f"{base}/traced/v1/chat/completions",
+        json=body,
+        headers={"traceparent": f"00-{traced_id}-{PARENT_ID}-01"},
+        timeout=120,
+    )
+    assert response.status_code == 200
+    assert wait_for_spans(path, traced_id, {"decode.compute", "prefill.compute"})
+    time.sleep(0.5)
+    assert wait_for_spans(path, trace_id, set(), timeout_s=0) == []
+
+
+def test_colocated_replica_spans_from_the_engine_stamps(trace_file, tiny_llama_path):
+    """An LLMServer outside Serve: its request span and the queue and compute spans built from
+    the engine's stamps, against the timings the replica reports in its own StepOutputs."""
+    import asyncio
+
+    from deployments.llm_server import LLMServer
+    from deployments.protocol import GenerateRequest
+
+    engine_args = {
+        "model": str(tiny_llama_path),
+        "max_model_len": 128,
+        "num_kv_blocks": 32,
+        "num_threads": 1,
+    }
+    config = {"enabled": True, "file": str(trace_file), "export_interval_s": 0.05}
+    server = LLMServer.func_or_class(engine_args, tracing_config=config)
+    sampling = {"temperature": 0.0, "max_tokens": 5, "ignore_eos": True, "detokenize": False}
+
+    async def run() -> list:
+        with tracing.root_span("root", {"traceparent": TRACEPARENT}, {}):
+            context = tracing.inject()
+        request = GenerateRequest("r1", [5, 6, 7, 8, 9], sampling, trace_context=context)
+        steps = [step async for step in server.generate(request)]
+        untraced = GenerateRequest("r2", [5, 6, 7], sampling)
+        steps += [step async for step in server.generate(untraced)]
+        return steps
+
+    try:
+        steps = asyncio.run(run())
+    finally:
+        server.engine.shutdown()
+    assert sum(len(s.token_ids) for step in steps for s in step.seqs) == 10
+    spans = by_name(read_spans(trace_file))
+    assert set(spans) == {"root", "engine", "engine.queue", "engine.compute"}  # r1 only
+    engine, queue, compute = spans["engine"], spans["engine.queue"], spans["engine.compute"]
+    assert engine["parent_span_id"] == spans["root"]["span_id"]
+    assert {queue["parent_span_id"], compute["parent_span_id"]} == {engine["span_id"]}
+    assert compute["attributes"] == {"neuron_serve.num_steps": 5, "neuron_serve.num_tokens": 5}
+    first = steps[0]
+    queue_s = (queue["end_time_unix_nano"] - queue["start_time_unix_nano"]) / 1e9
+    assert queue_s == pytest.approx(first.queue_time_s, abs=0.002)
+    assert first.prefill_time_s is not None and first.prefill_time_s > 0
+    for child in (queue, compute):
+        assert child["start_time_unix_nano"] >= engine["start_time_unix_nano"] - 2_000_000
+        assert child["end_time_unix_nano"] <= engine["end_time_unix_nano"] + 2_000_000
