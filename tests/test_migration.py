@@ -14,11 +14,13 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError
 
-from deployments.protocol import SeqDelta, StepOutput
+from app.generation import PromptStream
+from deployments.protocol import ChannelRequest, GenerateRequest, SeqDelta, StepOutput
+from deployments.step_channel import StepPublisher
 from neuron_runtime import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from neuron_runtime.kv_transfer import KVHandoff, KVMetadata
 from router.migration import Migrating, MigrationFailed, is_replica_lost
-from router.streams import ChannelLost
+from router.streams import ChannelLost, StepSubscriber
 
 PROMPT = [5, 17, 230, 99, 41, 8, 64]
 
@@ -166,5 +168,142 @@ def test_only_a_lost_replica_migrates() -> None:
         with pytest.raises(ValueError, match="NaN"):
             async for _ in migrating:
                 pass
+
+    asyncio.run(main())
+
+
+# -- the colocated path without Ray: real step channels, two fake replicas ---------------------
+
+
+class Replica:
+    """An LLMServer stand-in: every request emits REFERENCE after its resumed tokens, one
+    token per ``tick``; ``die()`` ends its calls and channels as a killed actor's do."""
+
+    def __init__(self, name: str) -> None:
+        self.publisher = StepPublisher(name)
+        self.calls: list[FakeCall] = []
+        self.tick = asyncio.Event()
+
+    async def steps(self, request: GenerateRequest):  # noqa: ANN201
+        start = len(request.resume_token_ids)
+        for k, token in enumerate(REFERENCE[start:]):
+            await self.tick.wait()
+            self.tick.clear()
+            yield step([token], finished=start + k == len(REFERENCE) - 1)
+
+    def call(self, gen) -> FakeCall:  # noqa: ANN001
+        call = FakeCall(gen)
+        self.calls.append(call)
+        return call
+
+    def die(self) -> None:
+        for call in self.calls:
+            call.kill()
+
+
+class FakeCall:
+    """A streaming call running apart from its caller (as on a replica)."""
+
+    def __init__(self, gen) -> None:  # noqa: ANN001
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.task = asyncio.create_task(self._run(gen))
+
+    async def _run(self, gen) -> None:  # noqa: ANN001
+        try:
+            async for item in gen:
+                await self.queue.put(("item", item))
+            await self.queue.put(("end", None))
+        except asyncio.CancelledError:
+            pass
+
+    def kill(self) -> None:
+        self.task.cancel()
+        self.queue.put_nowait(("error", ActorDiedError()))
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+    def __aiter__(self):  # noqa: ANN204
+        return self
+
+    async def __anext__(self):  # noqa: ANN204
+        kind, value = await self.queue.get()
+        if kind == "end":
+            raise StopAsyncIteration
+        if kind == "error":
+            raise value
+        return value
+
+
+class Handle:
+    """Routes each call to the first live replica; a channel to the replica it names."""
+
+    def __init__(self, replicas: list[Replica]) -> None:
+        self.replicas = replicas
+        self.dead: set[str] = set()
+        handle = self
+
+        class Generate:
+            def remote(self, request: GenerateRequest, subscriber: str) -> FakeCall:
+                replica = next(
+                    r for r in handle.replicas if r.publisher.replica_id not in handle.dead
+                )
+                steps = replica.publisher.publish(
+                    subscriber, request.request_id, replica.steps(request)
+                )
+                return replica.call(steps)
+
+        class Channel:
+            def remote(self, request: ChannelRequest) -> FakeCall:
+                replica = next(
+                    r for r in handle.replicas if r.publisher.replica_id == request.replica_id
+                )
+                return replica.call(replica.publisher.channel(request))
+
+        self.generate, self.channel = Generate(), Channel()
+
+
+def test_colocated_streams_migrate_over_real_step_channels() -> None:
+    """Three streams on replica a (a channel open), a dies after 5 tokens: every stream
+    resumes on b after exactly the tokens it had, and ends with REFERENCE."""
+
+    async def main() -> None:
+        a, b = Replica("a"), Replica("b")
+        handle = Handle([a, b])
+        hub = StepSubscriber(handle, "ingress", min_requests=2)
+
+        async def submit(request: GenerateRequest) -> PromptStream:
+            hub.expect(request.request_id)
+            call = handle.generate.remote(request, hub.subscriber)
+            first = await anext(call)
+            return PromptStream(first, hub.follow(request.request_id, first, call), request, submit)
+
+        async def ticking(replica: Replica) -> None:
+            while True:
+                replica.tick.set()
+                await asyncio.sleep(0.002)
+
+        tickers = [asyncio.create_task(ticking(r)) for r in (a, b)]
+        sampling = {"max_tokens": len(REFERENCE), "temperature": 0.0}
+        streams = [
+            await submit(GenerateRequest(f"r-{i}", [1, 2, 3], dict(sampling))) for i in range(3)
+        ]
+        assert hub.channels, "no channel opened"
+        got: list[list[StepOutput]] = [[] for _ in streams]
+
+        async def read(i: int) -> None:
+            async for s in streams[i].steps():
+                got[i].append(s)
+                if len([t for x in got[i] for d in x.seqs for t in d.token_ids]) == 5 and i == 0:
+                    handle.dead.add("a")
+                    a.die()
+
+        await asyncio.wait_for(asyncio.gather(*(read(i) for i in range(3))), 10)
+        for ticker in tickers:
+            ticker.cancel()
+        for steps in got:
+            assert [t for s in steps for d in s.seqs for t in d.token_ids] == REFERENCE
+            assert sum(s.migrated for s in steps) == 1 and steps[-1].finished
+        assert not hub.queues and not hub.owners
 
     asyncio.run(main())
