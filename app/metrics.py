@@ -83,6 +83,37 @@ class _EngineStatsCollector:
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric([self.model_name], total(key))
             yield counter
+        yield from self._spec_decode(fresh)
+
+    def _spec_decode(self, fresh: list[dict[str, Any]]) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters, summed over the replicas that speculate
+        (their snapshot's ``spec_decode``, EngineStats.spec_decode); none when no replica does."""
+        spec = [s["spec_decode"] for s in fresh if s.get("spec_decode")]
+        if not spec:
+            return
+        labels = ["model_name"]
+        counters = (
+            ("vllm:spec_decode_num_drafts", "Verify steps with draft tokens", "num_drafts"),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", "num_draft_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens", "Accepted drafts", "num_accepted_tokens"),
+        )
+        for name, doc, key in counters:
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric([self.model_name], float(sum(s.get(key, 0) for s in spec)))
+            yield counter
+        per_pos: list[float] = []
+        for s in spec:
+            for pos, count in enumerate(s.get("num_accepted_tokens_per_pos", ())):
+                per_pos.extend([0.0] * (pos + 1 - len(per_pos)))
+                per_pos[pos] += count
+        counter = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position",
+            labels=[*labels, "position"],
+        )
+        for pos, count in enumerate(per_pos):
+            counter.add_metric([self.model_name, str(pos)], count)
+        yield counter
 
 
 class ServingMetrics:

@@ -23,6 +23,7 @@ from ray.util import metrics
 
 from neuron_runtime.engine import EngineStats
 from neuron_runtime.outputs import RequestOutput
+from neuron_runtime.spec_decode import metrics as spec_metrics
 
 LATENCY_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]
 TAG_KEYS = ("deployment", "model_name")
@@ -74,6 +75,19 @@ METRICS: dict[str, tuple[str, str, str | None]] = {
     ),
 }
 
+# Speculative decoding counters under vLLM's names (spec_decode/metrics.py), as vLLM's own Ray
+# metrics name them: ":" becomes "_" (ray_vllm_spec_decode_num_drafts_total, ...).
+SPEC_DECODE_METRICS: dict[str, str] = {
+    spec_metrics.NUM_DRAFTS: "Verify steps that carried draft tokens",
+    spec_metrics.NUM_DRAFT_TOKENS: "Draft tokens proposed",
+    spec_metrics.NUM_ACCEPTED_TOKENS: "Draft tokens accepted",
+    spec_metrics.NUM_ACCEPTED_TOKENS_PER_POS: "Draft tokens accepted, by draft position",
+}
+
+
+def spec_decode_ray_name(vllm_name: str) -> str:
+    return vllm_name.replace(":", "_") + "_total"
+
 
 # The engine replica of this process (EngineReplica sets it; Serve runs one replica per actor).
 current: EngineMetrics | None = None
@@ -88,6 +102,7 @@ def exported_series() -> set[str]:
             names |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
         else:
             names.add(base)
+    names |= {f"ray_{spec_decode_ray_name(name)}" for name in SPEC_DECODE_METRICS}
     return names
 
 
@@ -117,6 +132,15 @@ class EngineMetrics:
                 )
             instrument.set_default_tags(tags)
             self._instruments[name] = instrument
+        for name, description in SPEC_DECODE_METRICS.items():
+            per_pos = name == spec_metrics.NUM_ACCEPTED_TOKENS_PER_POS
+            counter = metrics.Counter(
+                spec_decode_ray_name(name),
+                description,
+                tag_keys=(*TAG_KEYS, "position") if per_pos else TAG_KEYS,
+            )
+            counter.set_default_tags(tags)
+            self._instruments[name] = counter
 
     def observe_stats(self, stats: EngineStats) -> None:
         """Gauges to the snapshot; counters by what the engine's totals grew since the last."""
@@ -132,6 +156,13 @@ class EngineMetrics:
                 if grown > 0:
                     instrument.inc(grown)
                 self._last_totals[name] = value
+        if stats.spec_decode is not None:
+            for name, labels, total in stats.spec_decode.metrics():
+                key = f"{name}/{labels.get('position', '')}"
+                grown = float(total) - self._last_totals.get(key, 0.0)
+                if grown > 0 and name in self._instruments:
+                    self._instruments[name].inc(grown, tags=labels or None)
+                self._last_totals[key] = float(total)
 
     def observe_finished(self, out: RequestOutput) -> None:
         """A request's time to first token and queue time at this engine."""
