@@ -180,6 +180,8 @@ class Call:
 
     path: str
     body: dict[str, Any]
+    # A completed stream's text is appended here when set (cases comparing outputs).
+    texts: list[str] | None = field(default=None, compare=False)
 
 
 def is_error_body(data: Any) -> bool:
@@ -227,6 +229,9 @@ def _stream_outcome(base: str, call: Call, deadline_s: float) -> str:
         return UNCLEAN
     errors = [e for e in events[:-1] if is_error_body(json.loads(e))]
     if not errors:
+        if call.texts is not None:
+            chunks = [json.loads(e)["choices"] for e in events[:-1]]
+            call.texts.append("".join(c[0].get("text", "") for c in chunks if c))
         return COMPLETED
     return FAILED_CLEANLY if errors == [events[-2]] else UNCLEAN
 
@@ -282,6 +287,34 @@ HEADER = (
     f"{'case':<10} {'completed':>9} {'migrated':>8} {'failed':>8} {'unclean':>7} {'hung':>4} "
     f"{'served (s)':>11} {'repl. (s)':>9} {'idle (s)':>9}"
 )
+
+
+def reference_texts(model_path: Any, calls: list[Call], max_model_len: int) -> list[str]:
+    """Each greedy completion call's text from the offline engine (the unbroken reference)."""
+    from neuron_runtime import LLM, SamplingParams
+
+    llm = LLM(model=str(model_path), max_model_len=max_model_len, num_kv_blocks=128)
+    texts = []
+    for call in calls:
+        body = call.body
+        params = SamplingParams(
+            temperature=0, max_tokens=body["max_tokens"], ignore_eos=body.get("ignore_eos", False)
+        )
+        (out,) = llm.generate({"prompt_token_ids": body["prompt"]}, params)
+        texts.append(out.outputs[0].text)
+    return texts
+
+
+def ingress_migrations(base: str) -> int:
+    """The ingress's count of migrated requests (its /metrics)."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("neuron:request_migrations_total")
+        )
+    )
 
 
 def _s(value: float | None) -> str:

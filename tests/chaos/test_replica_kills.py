@@ -30,7 +30,9 @@ from chaos.harness import (  # noqa: E402
     ChaosCase,
     ChaosReport,
     deploy,
+    ingress_migrations,
     png_url,
+    reference_texts,
     run_case,
     text_prompt,
     wait_baseline,
@@ -75,11 +77,15 @@ def chaos_app(serve_cluster, tiny_llava_path):
     ]
     port = int(serve_cluster.rsplit(":", 1)[1])
     deploy(APP, f"/{APP}", args, deployments, port)
+    BASE[APP] = f"{serve_cluster}/{APP}"
     reports: list[ChaosReport] = []
     try:
         yield f"{serve_cluster}/{APP}", reports
     finally:
         serve.delete(APP)
+
+
+BASE: dict[str, str] = {}  # app -> its base URL, once deployed
 
 
 def completion(seed: int, prompt_len: int, max_tokens: int, stream: bool = False) -> Call:
@@ -91,7 +97,7 @@ def completion(seed: int, prompt_len: int, max_tokens: int, stream: bool = False
         "ignore_eos": True,
         "stream": stream,
     }
-    return Call("/v1/completions", body)
+    return Call("/v1/completions", body, texts=[] if stream else None)
 
 
 def image_chat(seed: int) -> Call:
@@ -143,6 +149,19 @@ CASES = [
         concurrency=16,
         kill_after_s=0.5,
     ),
+    # The only decode replica dies with every stream mid-decode: the PD router resumes each
+    # on the replacement (prompt + the tokens streamed so far recomputed there); nothing may
+    # fail and each greedy stream must equal the offline engine's.
+    ChaosCase(
+        "decode",
+        "DecodeServer",
+        [completion(i, 32, 96, stream=True) for i in range(12)],
+        completion(1000, 32, 4, stream=True),
+        concurrency=12,
+        kill_after_s=1.0,
+        max_failed=0,
+        migrations=lambda app: ingress_migrations(BASE[app]),
+    ),
     ChaosCase(
         "embedding",
         "EmbeddingServer",
@@ -162,7 +181,7 @@ def holds_work(stats) -> bool:  # noqa: ANN001 - a replica's stats (a dict, a li
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_replica_killed_under_load(chaos_app, case: ChaosCase) -> None:
+def test_replica_killed_under_load(chaos_app, tiny_llava_path, case: ChaosCase) -> None:
     base, reports = chaos_app
     report = run_case(base, APP, case, holds_work)
     reports.append(report)
@@ -173,6 +192,11 @@ def test_replica_killed_under_load(chaos_app, case: ChaosCase) -> None:
     if case.max_failed is not None:
         assert report.counts[FAILED_CLEANLY] <= case.max_failed, report
     assert report.served_again_s is not None, f"{case.name}: not served again"
+    if case.migrations is not None:
+        assert report.migrated is not None and report.migrated > 0, report
+        assert report.served_again_s < 30, report
+        expected = reference_texts(tiny_llava_path, case.calls, MAX_MODEL_LEN)
+        assert [call.texts for call in case.calls] == [[text] for text in expected]
 
 
 def test_killed_replicas_were_replaced_and_all_are_idle(chaos_app, capsys) -> None:
