@@ -96,9 +96,12 @@ def replica_pids() -> dict[str, int]:
 
 
 def object_store_used() -> int:
+    import ray
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
-    return int(get_memory_info_reply(get_state_from_address()).store_stats.object_store_bytes_used)
+    # This cluster's address: other local clusters may be running beside it.
+    state = get_state_from_address(ray.get_runtime_context().gcs_address)
+    return int(get_memory_info_reply(state).store_stats.object_store_bytes_used)
 
 
 def sample() -> dict[str, float]:
