@@ -223,8 +223,7 @@ class EngineConfig:
             )
         if self.parallel.tensor_parallel_size > 1 and (self.graph.static or self.speculative):
             raise ValueError(
-                "tensor_parallel_size > 1 runs graph_mode 'eager' only, without "
-                "speculative_config"
+                "tensor_parallel_size > 1 runs graph_mode 'eager' only, without speculative_config"
             )
         if self.speculative is not None and self.graph.static:
             raise ValueError(

@@ -34,6 +34,7 @@ class BitmaskRow:
         self.filled.result()
         return self.batch[self.index]
 
+
 _BYTE_BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
