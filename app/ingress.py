@@ -600,6 +600,14 @@ class OpenAIIngress:
             else:
                 ids = list(p)
             check_prompt_ids(ids, self.limits, "prompt")
+            if self.vision is not None and self.vision.image_token_id in ids:
+                # Completions carry no images: an image placeholder would have nothing to fill.
+                raise OpenAIError(
+                    400,
+                    "the prompt holds the image placeholder token; images go through "
+                    "/v1/chat/completions",
+                    param="prompt",
+                )
             out.append(ids)
         return out
 

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.ray
 APP = "autoscale"
 MAX_TOKENS = 48
 BURST_CLIENTS = 8
+DOWNSCALE_DELAY_S = 2.0
 PROMPTS = [f"Request {i}: tell me about the number {i}." for i in range(BURST_CLIENTS)]
 PREFILL_MAX, DECODE_MAX = 2, 3
 MIN_RATIO, MAX_RATIO = 1.0, 2.0
@@ -53,7 +54,7 @@ def engine_deployment(name: str, max_replicas: int) -> dict[str, Any]:
             "max_replicas": max_replicas,
             "look_back_period_s": 1.0,
             "upscale_delay_s": 0.5,
-            "downscale_delay_s": 2.0,
+            "downscale_delay_s": DOWNSCALE_DELAY_S,
         },
         "graceful_shutdown_timeout_s": 30,
         "ray_actor_options": {"num_cpus": 0.1},
@@ -153,17 +154,18 @@ def replicas(details: dict[str, Any], name: str) -> tuple[int, int]:
 
 
 def watch(
-    until, timeout_s: float, timeline: list[tuple[int, int, int, int]], clients: Clients
+    until, timeout_s: float, timeline: list[tuple[int, int, int, int, float]], clients: Clients
 ) -> None:
-    """Polls the app's replica counts into ``timeline`` until ``until(prefill, decode)``
-    holds for the running counts."""
+    """Polls the app's replica counts (prefill target and running, decode target and running,
+    the time of the poll) into ``timeline`` until ``until(prefill, decode)`` holds for the
+    running counts."""
     client = _get_global_client()
     deadline = time.monotonic() + timeout_s
     while True:
         details = client.get_serve_details()["applications"].get(APP, {"deployments": {}})
         assert details.get("status") != "DEPLOY_FAILED", details.get("message")
         prefill, decode = replicas(details, "PrefillServer"), replicas(details, "DecodeServer")
-        timeline.append((*prefill, *decode))
+        timeline.append((*prefill, *decode, time.monotonic()))
         if until(prefill[1], decode[1]):
             return
         if time.monotonic() > deadline:
@@ -181,7 +183,7 @@ def test_a_burst_scales_prefill_and_decode_together_and_idle_scales_them_back(
     port = int(serve_cluster.rsplit(":", 1)[1])
     client = _get_global_client()
     client.deploy_apps(ServeDeploySchema.model_validate(app_config(tiny_llama_path, port)))
-    timeline: list[tuple[int, int, int, int]] = []
+    timeline: list[tuple[int, int, int, int, float]] = []
     clients = Clients(f"{serve_cluster}/{APP}/v1", str(tiny_llama_path))
     try:
         watch(lambda p, d: p == 1 and d == 1, 300, timeline, clients)
@@ -194,14 +196,17 @@ def test_a_burst_scales_prefill_and_decode_together_and_idle_scales_them_back(
         clients.stop()
 
         # The policy's decisions kept decode/prefill within the ratio at every observation.
-        for prefill_target, _, decode_target, _ in timeline:
+        for prefill_target, _, decode_target, _, _ in timeline:
             assert MIN_RATIO * prefill_target <= decode_target <= MAX_RATIO * prefill_target, (
                 timeline
             )
-        # Scale-down went a replica at a time.
-        targets = [(t[0], t[2]) for t in timeline]
-        for (p0, d0), (p1, d1) in zip(targets, targets[1:], strict=False):
-            assert p1 >= p0 - 1 and d1 >= d0 - 1, timeline
+        # Scale-down went a replica at a time: the policy sheds at most one running replica per
+        # decision, and Serve applies a scale-down decision only after DOWNSCALE_DELAY_S of the
+        # same recommendation, so two polls closer than that see the running count drop by at
+        # most one (polls further apart, on a loaded box, may span two decisions).
+        for (_, p0, _, d0, t0), (_, p1, _, d1, t1) in zip(timeline, timeline[1:], strict=False):
+            if t1 - t0 < DOWNSCALE_DELAY_S:
+                assert p1 >= p0 - 1 and d1 >= d0 - 1, timeline
 
         # Nothing lost: every answer is the offline engine's greedy output for its prompt.
         offline = LLM(model=str(tiny_llama_path), max_model_len=256, num_kv_blocks=96)

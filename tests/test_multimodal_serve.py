@@ -29,6 +29,7 @@ ray = pytest.importorskip("ray")
 from conftest import busy_engines, metric  # noqa: E402
 from PIL import Image  # noqa: E402
 from ray import serve  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 from neuron_runtime import LLM, SamplingParams  # noqa: E402
 from neuron_runtime.model_store import resolve_model  # noqa: E402
@@ -290,6 +291,13 @@ def test_too_many_images_and_spelled_placeholders_are_400(mm_server):
     spelled = {"model": MODEL, "messages": [{"role": "user", "content": "look: <image>"}]}
     response = httpx.post(url, json=spelled, timeout=30)
     assert response.status_code == 400, response.text
+    # A completion has no images to fill a placeholder with, as text or as a token id.
+    image_token_id = AutoConfig.from_pretrained(resolve_model(MODEL)).image_token_index
+    for prompt in ("look: <image>", [5, image_token_id, 6]):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        response = httpx.post(f"{mm_server}/epd/v1/completions", json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "prompt"
     wait_idle("epd")
 
 
