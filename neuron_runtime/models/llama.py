@@ -125,7 +125,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.self_attn = attention_cls(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = self.build_mlp(cfg, layer_idx)
+
+    def build_mlp(self, cfg: dict[str, Any], layer_idx: int) -> nn.Module:
+        """The layer's feed-forward block (mixture-of-experts layers override it)."""
+        return LlamaMLP(cfg)
 
     def forward(
         self,

@@ -16,12 +16,10 @@ import torch
 from torch import nn
 
 from neuron_runtime.layers.activation import activation
-from neuron_runtime.layers.attention import StepMetadata
 from neuron_runtime.layers.moe import FusedMoE
-from neuron_runtime.layers.norm import RMSNorm
 from neuron_runtime.models.llama import (
-    KVCache,
     LlamaAttention,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
@@ -36,49 +34,24 @@ def num_experts(cfg: dict[str, Any]) -> int:
     return int(cfg.get("num_experts") or cfg["num_local_experts"])
 
 
-class MoEDecoderLayer(nn.Module):
+class MoEDecoderLayer(LlamaDecoderLayer):
     """A Llama decoder layer whose MLP is a ``FusedMoE`` (or a dense MLP where the config
     keeps one)."""
 
     renormalize_key: str | None = "norm_topk_prob"  # config key; None: always renormalize
 
-    def __init__(
-        self,
-        cfg: dict[str, Any],
-        layer_idx: int = 0,
-        attention_cls: type[LlamaAttention] = LlamaAttention,
-    ) -> None:
-        super().__init__()
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.self_attn = attention_cls(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.mlp: nn.Module
-        if self.is_sparse(cfg, layer_idx):
-            key = self.renormalize_key
-            self.mlp = FusedMoE(
-                num_experts(cfg),
-                int(cfg["num_experts_per_tok"]),
-                cfg["hidden_size"],
-                int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-                renormalize=True if key is None else bool(cfg.get(key, False)),
-                act_fn=activation(cfg.get("hidden_act", "silu")),
-            )
-        else:
-            self.mlp = LlamaMLP(cfg)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache,
-        meta: StepMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, meta)
-        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+    def build_mlp(self, cfg: dict[str, Any], layer_idx: int) -> nn.Module:
+        if not self.is_sparse(cfg, layer_idx):
+            return LlamaMLP(cfg)
+        key = self.renormalize_key
+        return FusedMoE(
+            num_experts(cfg),
+            int(cfg["num_experts_per_tok"]),
+            cfg["hidden_size"],
+            int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            renormalize=True if key is None else bool(cfg.get(key, False)),
+            act_fn=activation(cfg.get("hidden_act", "silu")),
+        )
 
     @staticmethod
     def is_sparse(cfg: dict[str, Any], layer_idx: int) -> bool:
