@@ -164,8 +164,9 @@ class Followed:
             else:
                 item = await self.queue.get()
                 if isinstance(item, BaseException):
-                    self.done = True
-                    self.hub.forget(self.request_id)
+                    # A lost channel leaves the submit call (and the request on its replica)
+                    # alive: abort it there, since its steps can no longer arrive.
+                    self.cancel()
                     raise item
                 if self.next_seq is not None and item.seq != self.next_seq:
                     early[item.seq] = item

@@ -249,6 +249,10 @@ def test_a_channel_that_ends_ends_every_request_on_it_with_an_error():
             with pytest.raises(RuntimeError, match="the call was cancelled"):
                 reader.result()  # the channel's own error, passed on
         assert not hub.queues and not hub.owners and not hub.channels
+        # The submit calls outlive a lost channel: each request is aborted on the replica
+        # (a migrated copy must not run beside it).
+        await run_steps(engine, lambda: not engine.live)
+        assert sorted(engine.aborted) == ["r-1", "r-2"]
 
     asyncio.run(main())
 
