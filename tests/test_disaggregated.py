@@ -483,7 +483,14 @@ def test_prefill_replica_dying_after_the_export_is_recomputed(fault_server, tiny
     prompt = [5 + (3 * i) % 200 for i in range(50)]
     result = _prefill_directly("pdfault", "orphan", prompt, 10)
     name = ReplicaID(result.replica_id, DeploymentID("PrefillServer", "pdfault")).to_full_id_str()
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    actor = ray.get_actor(name, namespace="serve")
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+    ray.kill(actor, no_restart=True)
+    # ray.kill returns before the process has gone: the read must come after it has.
+    deadline = time.monotonic() + 30
+    while _process_alive(pid):
+        assert time.monotonic() < deadline, "the killed prefill replica's process lives on"
+        time.sleep(0.1)
     decode = serve.get_deployment_handle("DecodeServer", app_name="pdfault").options(stream=True)
     sampling = {"temperature": 0.0, "max_tokens": 10, "detokenize": False}
     steps = list(decode.generate.remote(DecodeRequest("orphan", prompt, sampling, result.handoff)))
@@ -504,6 +511,14 @@ def test_prefill_replica_dying_after_the_export_is_recomputed(fault_server, tiny
             assert time.monotonic() < deadline, "the dead prefill replica was not replaced"
             time.sleep(1)
     wait_idle("pdfault", 2)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
 
 
 # -- the object store transport ----------------------------------------------------------
