@@ -94,15 +94,12 @@ class PrefixAffinityRouter(_PolicyRouter):
             self.trace.note(
                 pending_request,
                 request,
-                {
-                    "neuron_serve.route.candidates": [load.replica_id for load in loads],
-                    "neuron_serve.route.queue_lengths": [load.queue_len for load in loads],
-                    "neuron_serve.route.match_shares": [
-                        self._match_share(hashes, load.replica_id) for load in loads
-                    ],
-                    "neuron_serve.route.min_match_share": self.policy.min_match_share,
-                    "neuron_serve.route.prompt_blocks": len(hashes),
-                },
+                _seen(
+                    loads,
+                    match_shares=[self._match_share(hashes, load.replica_id) for load in loads],
+                    min_match_share=self.policy.min_match_share,
+                    prompt_blocks=len(hashes),
+                ),
             )
         return self._ranked(candidate_replicas, self.policy.rank(hashes, loads))
 
@@ -158,15 +155,12 @@ class KVCapacityRouter(_PolicyRouter):
             self.trace.note(
                 pending_request,
                 request,
-                {
-                    "neuron_serve.route.candidates": [load.replica_id for load in loads],
-                    "neuron_serve.route.queue_lengths": [load.queue_len for load in loads],
+                _seen(
+                    loads,
                     # -1: the replica has not reported its KV cache yet
-                    "neuron_serve.route.kv_free_blocks": [
-                        _or_minus_one(self.policy.free_blocks(load)) for load in loads
-                    ],
-                    "neuron_serve.route.kv_blocks_needed": needed,
-                },
+                    kv_free_blocks=[_or_minus_one(self.policy.free_blocks(load)) for load in loads],
+                    kv_blocks_needed=needed,
+                ),
             )
         return self._ranked(candidate_replicas, self.policy.rank(needed, loads))
 
@@ -217,15 +211,8 @@ class RendezvousRouter(_PolicyRouter):
             return self._ranked(candidate_replicas, [loads])
         ranks = rendezvous_rank(request.content_hash, loads)
         if getattr(request, "trace_context", None) is not None:
-            owners = [rank[0].replica_id for rank in ranks]
-            self.trace.note(
-                pending_request,
-                request,
-                {
-                    "neuron_serve.route.candidates": owners,
-                    "neuron_serve.route.queue_lengths": [rank[0].queue_len for rank in ranks],
-                },
-            )
+            # In owner order: each rank's first replica.
+            self.trace.note(pending_request, request, _seen([rank[0] for rank in ranks]))
         return self._ranked(candidate_replicas, ranks)
 
     def initialize_state(self, **kwargs: Any) -> None:
@@ -242,6 +229,15 @@ class RendezvousRouter(_PolicyRouter):
             owner = bool(ranks) and ranks[0][0].replica_id == replica_id.unique_id
             reason = "rendezvous_owner" if owner else "rendezvous_next_owner"
             self.trace.routed(pending_request, replica_id.unique_id, reason)
+
+
+def _seen(loads: list[ReplicaLoad], **extra: Any) -> dict[str, Any]:
+    """A route span's attributes: the candidates and their queue lengths, then ``extra``."""
+    return {
+        "neuron_serve.route.candidates": [load.replica_id for load in loads],
+        "neuron_serve.route.queue_lengths": [load.queue_len for load in loads],
+        **{f"neuron_serve.route.{key}": value for key, value in extra.items()},
+    }
 
 
 def _or_minus_one(value: int | None) -> int:
