@@ -25,6 +25,7 @@ from neuron_runtime.output_processor import OutputProcessor
 from neuron_runtime.outputs import RequestOutput, RequestOutputKind
 from neuron_runtime.parallel.executor import make_runner
 from neuron_runtime.request import Request, RequestStatus
+from neuron_runtime.sampler import skip_draws
 from neuron_runtime.sampling_params import SamplingParams
 from neuron_runtime.scheduler import Scheduler, SchedulerOutput
 from neuron_runtime.spec_decode.decoder import SpecDecoder
@@ -188,9 +189,16 @@ class LLMEngine:
                 raise KVTransferError(f"KV blocks of another cache layout ({mismatch})")
             request.kv_import = kv  # step() starts the read once the scheduler admits it
         request.all_token_ids.extend(outputs)
-        state = handoff.generator_state
-        if state is not None and request.params.seed is not None:
-            self.runner.restore_generator(request.req_id, request.params.seed, state)
+        seed = request.params.seed
+        if seed is not None and not request.params.greedy:
+            state = handoff.generator_state
+            if state is None:
+                # A migrated request (its replica was lost with the generator): replay the
+                # draws the lost replica made for those tokens.
+                device = self.runner.generator_device
+                vocab = self.config.model.vocab_size
+                state = skip_draws(seed, len(outputs), vocab, device).get_state().numpy()
+            self.runner.restore_generator(request.req_id, seed, state)
         self.num_kv_imports += 1
         return outputs
 

@@ -121,6 +121,21 @@ def exponential_noise(
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
+def skip_draws(seed: int, num_tokens: int, vocab: int, device: torch.device) -> torch.Generator:
+    """A request's seeded generator as it is after sampling ``num_tokens`` tokens.
+
+    ``exponential_noise`` draws one [vocab] row from it per sampled token; the same draws are
+    made here (their count, not their values, is what moves the state on), so a request
+    resumed elsewhere after those tokens samples on as it would have. Speculative decoding's
+    rejection sampler draws a varying amount per token: there the count is not known.
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
+    row = torch.empty(vocab, device=device)
+    for _ in range(num_tokens):
+        row.exponential_(generator=generator)
+    return generator
+
+
 def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,

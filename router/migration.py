@@ -6,10 +6,14 @@ channel breaks, the owner resubmits the request with those tokens as already pro
 (``GenerateRequest.resume_token_ids``, or a ticketless ``KVHandoff``): the new replica
 recomputes prompt + tokens, counts the tokens as output (penalties, ``max_tokens``, stop
 conditions) without sending them again, and samples the next one. Greedy requests therefore go
-on with exactly the tokens they would have produced. A seeded request's generator starts again
-from its seed, so its tokens after the migration differ from an unbroken run; exact
-continuation would need the replica to report the generator state with its steps (as the
-prefill replica does in a KV handoff).
+on with exactly the tokens they would have produced. So do seeded ones: the lost replica's
+generator went with it, but its state is a function of the seed and the number of draws, one
+noise row per sampled token (neuron_runtime/sampler.py), so the new replica seeds a generator
+and replays that many draws (``sampler.skip_draws``) before it samples. Replaying costs what
+drawing did (about 1 ms per token at a 49k vocabulary on one core), once per migration; a
+counter-based generator (noise keyed by seed and position) would need no replay, but would
+change every seeded stream and the speculative sampler's draws with it. With speculative
+decoding the number of draws per token varies, so a seeded stream goes on differently there.
 
 Each request migrates at most ``max_migrations`` times; a replica that cannot be reached yet
 (Serve is still replacing it) is tried again until ``reopen_deadline_s``.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from ray.exceptions import ActorDiedError
 
 from app.generation import PromptStream
@@ -69,6 +70,36 @@ def test_a_resumed_request_continues_with_the_unbroken_tokens(engine, penalties)
             for out in engine.step():
                 other.extend(out.outputs[0].token_ids)
         assert other != unbroken[9:]
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "min_p": 0.01}],
+    ids=["temperature-1", "top-p-k-min-p"],
+)
+def test_a_resumed_seeded_request_continues_with_the_unbroken_tokens(engine, sampling) -> None:
+    """The resumed request's generator is where the lost replica's was after the cut."""
+    params = SamplingParams(seed=1234, max_tokens=24, ignore_eos=True, **sampling)
+    unbroken = run(engine, "seeded-unbroken", params)
+    greedy = run(
+        engine, "seeded-greedy", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    )
+    assert unbroken != greedy  # the draws decide the tokens
+    metadata = KVMetadata.describe(engine.config.model, PROMPT)
+    for cut in (1, 9, 23):
+        rest = run(
+            engine, f"seeded-resumed-{cut}", params, handoff=KVHandoff(metadata, unbroken[:cut])
+        )
+        assert unbroken[:cut] + rest == unbroken, cut
+    # Starting the generator again from its seed (no state carried over) goes elsewhere.
+    fresh = torch.Generator().manual_seed(1234).get_state().numpy()
+    restarted = run(
+        engine, "seeded-restarted", params,
+        handoff=KVHandoff(metadata, unbroken[:9], generator_state=fresh),
+    )  # fmt: skip
+    assert unbroken[:9] + restarted != unbroken
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == 0
 
