@@ -411,6 +411,7 @@ def _disaggregated(
                 mm.encoder_max_batch_size,
                 mm.encoder_batch_wait_timeout_s,
                 mm.max_pixels,
+                tracing_config=args.tracing.model_dump(),
             )
         )
     return (

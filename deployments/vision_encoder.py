@@ -23,6 +23,7 @@ from ray import ObjectRef, serve
 from ray.serve.exceptions import RayServeException
 
 from deployments.protocol import EncodeRequest, EncodeResult
+from neuron_runtime import tracing
 from neuron_runtime.model_store import resolve_model
 from neuron_runtime.multimodal import ImageFeatures, VisionEncoder, load_image
 
@@ -69,7 +70,9 @@ class VisionEncoderServer:
         max_batch_size: int = 8,
         batch_wait_timeout_s: float = 0.005,
         max_pixels: int = 4096 * 4096,
+        tracing_config: dict[str, Any] | None = None,
     ) -> None:
+        tracing.configure(tracing_config, "encoder")
         torch.set_num_threads(1)
         self.encoder = VisionEncoder.from_pretrained(resolve_model(model))
         self.cache = EmbeddingCache(cache_mib << 20)
@@ -88,7 +91,32 @@ class VisionEncoderServer:
             self.replica_id = "local"
 
     async def encode(self, request: EncodeRequest) -> EncodeResult:
-        """The image's features (ValueError when its bytes do not decode)."""
+        """The image's features (ValueError when its bytes do not decode).
+
+        A traced request gets a ``vision_encoder`` span saying whether the cache held the
+        image, and for an image encoded here ``encoder.queue`` (waiting for a batch) and
+        ``encoder.compute`` (the batch through preprocessing, tower and projector).
+        """
+        attributes = {"neuron_serve.encoder.replica": self.replica_id}
+        span = tracing.start_span("vision_encoder", request.trace_context, attributes)
+        async with tracing.ending(span):
+            arrival_ns = tracing.now_ns()
+            result = await self._encode_or_reuse(request)
+            tracing.set_attributes(
+                span,
+                {
+                    "neuron_serve.encoder.cache_hit": result.cache_hit,
+                    "neuron_serve.encoder.num_bytes": result.num_bytes,
+                },
+            )
+            if span is not None and not result.cache_hit:
+                queued_ns = arrival_ns + int(result.queue_seconds * 1e9)
+                computed_ns = queued_ns + int(result.encode_seconds * 1e9)
+                tracing.record_span("encoder.queue", span, arrival_ns, queued_ns)
+                tracing.record_span("encoder.compute", span, queued_ns, computed_ns)
+        return result
+
+    async def _encode_or_reuse(self, request: EncodeRequest) -> EncodeResult:
         self.num_queries += 1
         key = request.content_hash
         cached = self.cache.get(key)
