@@ -28,6 +28,7 @@ from deployments.kv_transport import KVTransportConfig, TransportName
 from deployments.llm_server import LLMServer
 from deployments.prefill import PrefillServer
 from deployments.vision_encoder import VisionEncoderServer
+from neuron_runtime.accuracy.online import OnlineValidationConfig
 from neuron_runtime.config import EngineConfig
 from neuron_runtime.embedding import EMBEDDING_ARCHITECTURES
 from neuron_runtime.engine_args import EngineArgs
@@ -129,6 +130,29 @@ class TracingArgs(BaseModel):
     export_interval_s: float = Field(1.0, gt=0)
 
 
+class AccuracyArgs(BaseModel):
+    """Online validation (neuron_runtime/accuracy/online.py, docs/accuracy.md): this share of
+    requests has its prompt logits re-checked against transformers by the prefill or
+    colocated replica, off the engine loop; 0 builds nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sample_rate: float = Field(0.0, ge=0, le=1)
+    # The reference's dtype; it picks the default bounds, which the four after it replace.
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    atol: float | None = Field(None, ge=0)
+    rtol: float | None = Field(None, ge=0)
+    kl: float | None = Field(None, ge=0)
+    topk: float | None = Field(None, ge=0, le=1)
+    top_k: int = Field(5, ge=1)
+    # Checks waiting for the worker at most; past it a sampled request is dropped and counted.
+    max_queue: int = Field(4, ge=1)
+    seed: int | None = None
+
+    def config(self) -> OnlineValidationConfig | None:
+        return OnlineValidationConfig(**self.model_dump()) if self.sample_rate > 0 else None
+
+
 class BuildArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -138,6 +162,7 @@ class BuildArgs(BaseModel):
     disaggregation: DisaggregationArgs = Field(default_factory=DisaggregationArgs)
     multimodal: MultimodalArgs = Field(default_factory=MultimodalArgs)
     tracing: TracingArgs = Field(default_factory=TracingArgs)
+    accuracy: AccuracyArgs = Field(default_factory=AccuracyArgs)
 
     model: str = "smollm2-135m-instruct"
     served_model_name: str | None = None
@@ -315,6 +340,7 @@ def build_openai_app(
                 llm_engine_cls,
                 args.health_stall_timeout_s,
                 tracing_config=args.tracing.model_dump(),
+                accuracy=args.accuracy.config(),
             )
         )
     embedder = (
@@ -373,6 +399,7 @@ def _disaggregated(
             args.health_stall_timeout_s,
             transport,
             tracing_config=args.tracing.model_dump(),
+            accuracy=args.accuracy.config(),
         )
     )
     decode = (

@@ -19,6 +19,7 @@ from deployments import ray_metrics
 from deployments.protocol import ChannelRequest, ImagePart, SeqDelta, StepOutput
 from deployments.step_channel import StepPublisher
 from neuron_runtime import AsyncEngine, EngineArgs, tracing
+from neuron_runtime.accuracy.online import OnlineValidationConfig, OnlineValidator
 from neuron_runtime.multimodal import MultiModalInput
 from neuron_runtime.outputs import RequestOutput
 
@@ -43,6 +44,7 @@ class EngineReplica:
         engine_cls: type[AsyncEngine] | None = None,
         stall_timeout_s: float = 30.0,
         tracing_config: dict[str, Any] | None = None,
+        accuracy: OnlineValidationConfig | None = None,
     ) -> None:
         tracing.configure(tracing_config, self.trace_role)
         # Several replicas, the ingress and Ray share the CPUs: oversubscribed thread pools
@@ -67,6 +69,12 @@ class EngineReplica:
             deployment, str(args.model), record=self.replica_id != "local"
         )
         ray_metrics.current = self.metrics
+        # Online validation (accuracy.sample_rate > 0): a worker thread and a reference model.
+        self.online_validation: OnlineValidator | None = None
+        if accuracy is not None and accuracy.enabled:
+            self.online_validation = OnlineValidator(
+                accuracy, self.metrics.observe_online_check, self.metrics.observe_online_drop
+            ).attach(self.engine.engine)
 
     def stats(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}

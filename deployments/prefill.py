@@ -20,6 +20,7 @@ from deployments.engine_replica import EngineReplica, image_inputs, to_step_outp
 from deployments.kv_transport import KVTransportConfig, make_transport
 from deployments.protocol import GenerateRequest, KVTransferInfo, PrefillResult
 from neuron_runtime import RequestOutputKind, SamplingParams, tracing
+from neuron_runtime.accuracy.online import OnlineValidationConfig
 
 
 @serve.deployment(
@@ -39,8 +40,9 @@ class PrefillServer(EngineReplica):
         stall_timeout_s: float = 30.0,
         kv_transport: KVTransportConfig | None = None,
         tracing_config: dict[str, Any] | None = None,
+        accuracy: OnlineValidationConfig | None = None,
     ) -> None:
-        super().__init__(engine_args, engine_cls, stall_timeout_s, tracing_config)
+        super().__init__(engine_args, engine_cls, stall_timeout_s, tracing_config, accuracy)
         self.transport = make_transport(kv_transport or KVTransportConfig())
         self.transport.attach(self.engine.engine, self.engine.abort)
 

@@ -10,17 +10,20 @@ dashboard's metrics view. Ray prefixes every name with ``ray_``; counters here e
 Gauges and counters follow the engine's stats snapshot, taken whenever Serve probes the
 replica (``check_health``, every health_check_period_s) or asks for autoscaling stats; the
 time-to-first-token and queue-time histograms are observed as requests finish, and the recent
-TTFTs are what the replica reports to the autoscaling policy (router/autoscaling.py).
+TTFTs are what the replica reports to the autoscaling policy (router/autoscaling.py). Online
+validation's counters and error histogram are observed as each check ends or is dropped.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import Any
 
 from ray.util import metrics
 
+from neuron_runtime.accuracy.online import OnlineCheck
 from neuron_runtime.engine import EngineStats
 from neuron_runtime.outputs import RequestOutput
 from neuron_runtime.spec_decode import metrics as spec_metrics
@@ -89,6 +92,29 @@ def spec_decode_ray_name(vllm_name: str) -> str:
     return vllm_name.replace(":", "_") + "_total"
 
 
+# Online validation (neuron_runtime/accuracy/online.py), observed as each check ends; Ray
+# names them like the spec-decode counters (ray_neuron_online_validation_checks_total, ...).
+ONLINE_CHECKS = "neuron:online_validation_checks"
+ONLINE_FAILURES = "neuron:online_validation_failures"
+ONLINE_DROPPED = "neuron:online_validation_dropped"
+ONLINE_MAX_ABS_ERROR = "neuron:online_validation_max_abs_error"
+ONLINE_VALIDATION_METRICS: dict[str, tuple[str, str]] = {
+    ONLINE_CHECKS: ("counter", "Sampled requests whose prompt logits were checked"),
+    ONLINE_FAILURES: ("counter", "Checked requests past tolerance"),
+    ONLINE_DROPPED: ("counter", "Sampled requests not checked (the check queue was full)"),
+    ONLINE_MAX_ABS_ERROR: (
+        "histogram",
+        "Largest absolute logit error at a checked prompt's last position",
+    ),
+}
+ERROR_BOUNDARIES = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0]
+
+
+def online_ray_name(name: str) -> str:
+    kind = ONLINE_VALIDATION_METRICS[name][0]
+    return name.replace(":", "_") + ("_total" if kind == "counter" else "")
+
+
 # The engine replica of this process (EngineReplica sets it; Serve runs one replica per actor).
 current: EngineMetrics | None = None
 
@@ -103,6 +129,12 @@ def exported_series() -> set[str]:
         else:
             names.add(base)
     names |= {f"ray_{spec_decode_ray_name(name)}" for name in SPEC_DECODE_METRICS}
+    for name, (kind, _) in ONLINE_VALIDATION_METRICS.items():
+        base = f"ray_{online_ray_name(name)}"
+        if kind == "histogram":
+            names |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
+        else:
+            names.add(base)
     return names
 
 
@@ -141,6 +173,15 @@ class EngineMetrics:
             )
             counter.set_default_tags(tags)
             self._instruments[name] = counter
+        for name, (kind, description) in ONLINE_VALIDATION_METRICS.items():
+            if kind == "counter":
+                instrument = metrics.Counter(online_ray_name(name), description, tag_keys=TAG_KEYS)
+            else:
+                instrument = metrics.Histogram(
+                    online_ray_name(name), description, ERROR_BOUNDARIES, tag_keys=TAG_KEYS
+                )
+            instrument.set_default_tags(tags)
+            self._instruments[name] = instrument
 
     def observe_stats(self, stats: EngineStats) -> None:
         """Gauges to the snapshot; counters by what the engine's totals grew since the last."""
@@ -178,6 +219,17 @@ class EngineMetrics:
         if scheduled is not None:
             self._observe("neuron_serve_queue_time_seconds", max(0.0, scheduled - arrival))
 
+    def observe_online_check(self, check: OnlineCheck) -> None:
+        """One online validation check (called on the validator's thread)."""
+        self._inc(ONLINE_CHECKS)
+        if not check.passed:
+            self._inc(ONLINE_FAILURES)
+        if math.isfinite(check.max_abs):  # NaN logits fail the check; no bucket holds them
+            self._observe(ONLINE_MAX_ABS_ERROR, check.max_abs)
+
+    def observe_online_drop(self) -> None:
+        self._inc(ONLINE_DROPPED)
+
     def recent_ttft_s(self) -> float:
         """Mean time to first token of the requests finished in the last ttft_window_s (0 when
         none did: no signal)."""
@@ -192,3 +244,8 @@ class EngineMetrics:
         instrument = self._instruments.get(name)
         if instrument is not None:
             instrument.observe(value)
+
+    def _inc(self, name: str) -> None:
+        instrument = self._instruments.get(name)
+        if instrument is not None:
+            instrument.inc()

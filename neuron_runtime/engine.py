@@ -6,6 +6,7 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from neuron_runtime.backends import get_backend
 from neuron_runtime.config import EngineConfig
@@ -32,6 +33,11 @@ from neuron_runtime.spec_decode.decoder import SpecDecoder
 from neuron_runtime.spec_decode.metrics import SpecDecodeStats
 from neuron_runtime.structured_output import GrammarCompiler, StructuredOutputManager
 from neuron_runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from neuron_runtime.accuracy.online import OnlineValidator
 
 PromptType = str | list[int] | dict
 
@@ -106,6 +112,8 @@ class LLMEngine:
         self._orphan_reads: list[_BlockRead] = []  # reads whose request ended or restarted
         self.num_kv_exports = 0
         self.num_kv_imports = 0
+        # Online validation (accuracy/online.py attaches it): sampled requests' prompt logits.
+        self.online_validation: OnlineValidator | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -170,6 +178,9 @@ class LLMEngine:
         self.output_processor.add(
             request_id, text, prompt_ids, params, child_ids, kind, prefilled=prefilled
         )
+        online = self.online_validation
+        if online is not None and handoff is None and not images and online.wants():
+            self.runner.prompt_logit_taps[child_ids[0]] = len(prompt_ids)
 
     def _continue_from(self, request: Request, handoff: KVHandoff) -> list[int]:
         """Sets a decode-role request up after the handed-off tokens; returns those tokens."""
@@ -214,6 +225,8 @@ class LLMEngine:
             time.sleep(0.0005)  # only transfers in flight: wait for them, do not spin
         result = self.runner.execute(runnable) if runnable.seqs else ModelRunnerOutput()
         result.failed.update(failed)
+        if result.prompt_logits:
+            self._validate_online(result.prompt_logits)
         if result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         if failed:
@@ -238,6 +251,14 @@ class LLMEngine:
                 for completion in output.outputs:
                     completion.finish_reason = completion.stop_reason = None
         return outputs
+
+    def _validate_online(self, prompt_logits: dict[str, np.ndarray]) -> None:
+        """Hands sampled requests' first-token logits to the online validator's queue."""
+        assert self.online_validation is not None
+        for child_id, logits in prompt_logits.items():
+            request = self.scheduler.requests[child_id]
+            parent_id = self.output_processor.child_to_parent[child_id]
+            self.online_validation.submit(parent_id, request.prompt_token_ids, logits)
 
     def _hand_off(self, updated: list[Request]) -> None:
         """Prefill role: hands off the requests whose first token just came out.

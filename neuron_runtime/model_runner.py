@@ -52,6 +52,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     # req_id -> draft tokens the target accepted, before its ``sampled`` token (spec_decode/)
     accepted: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the raw logits [vocab] float32 its first token was sampled from, for the
+    # requests in ``ModelRunner.prompt_logit_taps`` (online validation, accuracy/online.py)
+    prompt_logits: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 CPU = torch.device("cpu")
@@ -129,6 +132,8 @@ class ModelRunner:
         self.static: StaticRunner | None = None
         # Speculative decoding (spec_decode/SpecDecoder), set by the engine when configured.
         self.spec: SpecDecoder | None = None
+        # req_id -> prompt length: keep the logits at the prompt's last position (``outputs``).
+        self.prompt_logit_taps: dict[str, int] = {}
         if config.graph.static:
             self.static = StaticRunner(config, self.model, self.kv_caches, self.num_blocks, backend)
             self.static.warm_up()
@@ -136,6 +141,7 @@ class ModelRunner:
     def release(self, req_id: str) -> None:
         """Forgets a finished request's random state."""
         self.generators.pop(req_id, None)
+        self.prompt_logit_taps.pop(req_id, None)
 
     def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         bs = self.block_size
@@ -296,12 +302,24 @@ class ModelRunner:
         num_top = max((s.params.logprobs or 0) for s in seqs)
         if any(s.params.logprobs is not None for s in seqs):
             result.logprobs = self._logprobs(seqs, logits, tokens.to(logits.device), num_top)
+        if self.prompt_logit_taps:
+            self._tap_prompt_logits(seqs, logits, result)
         for seq, token, is_bad in zip(seqs, tokens.tolist(), nan_rows.tolist(), strict=True):
             if is_bad:
                 result.failed[seq.req_id] = "the model produced NaN logits"
             else:
                 result.sampled[seq.req_id] = token
         return result
+
+    def _tap_prompt_logits(
+        self, seqs: list[ScheduledSeq], logits: torch.Tensor, result: ModelRunnerOutput
+    ) -> None:
+        """Copies the raw logits of tapped requests whose slice ends at their prompt's end."""
+        for row, seq in enumerate(seqs):
+            prompt_len = self.prompt_logit_taps.get(seq.req_id)
+            if prompt_len is not None and seq.start_pos + len(seq.token_ids) == prompt_len:
+                del self.prompt_logit_taps[seq.req_id]
+                result.prompt_logits[seq.req_id] = logits[row].float().cpu().numpy().copy()
 
     def _image_features(
         self, image_rows: list[tuple[ScheduledSeq, int]]
