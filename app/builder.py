@@ -15,7 +15,7 @@ import os
 from typing import Any, Literal, cast
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Deployment
@@ -153,6 +153,36 @@ class AccuracyArgs(BaseModel):
         return OnlineValidationConfig(**self.model_dump()) if self.sample_rate > 0 else None
 
 
+# Set once for the whole application (top-level BuildArgs fields), never in engine_args.
+_RESERVED_ENGINE_ARGS = frozenset({"model", "max_model_len", "num_threads"})
+Role = Literal["prefill", "decode"]
+
+
+def _check_engine_arg_names(value: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(value) - _ENGINE_ARG_NAMES
+    reserved = set(value) & _RESERVED_ENGINE_ARGS
+    if unknown:
+        raise ValueError(f"unknown engine_args: {sorted(unknown)}")
+    if reserved:
+        raise ValueError(f"set {sorted(reserved)} at the top level, not in engine_args")
+    return value
+
+
+class RoleArgs(BaseModel):
+    """One engine role of the disaggregated app (``prefill:`` or ``decode:``): EngineArgs
+    fields that replace the shared ``engine_args`` for that role's replicas, e.g.
+    ``decode: {engine_args: {tensor_parallel_size: 2}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("engine_args")
+    @classmethod
+    def _known_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _check_engine_arg_names(value)
+
+
 class BuildArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -171,7 +201,12 @@ class BuildArgs(BaseModel):
     # ray_actor_options.num_cpus rounded up (deployments/engine_replica.py).
     num_threads: int | None = Field(None, ge=1)
     # Further EngineArgs fields (num_kv_blocks, max_num_seqs, ...); unknown names are rejected.
+    # data_parallel_size N runs N replicas of each engine deployment (one DP rank each).
     engine_args: dict[str, Any] = Field(default_factory=dict)
+    # Disaggregated mode: per-role overrides of engine_args (tensor_parallel_size, KV budget,
+    # max_num_seqs, ...); each role's replicas own a placement group of its own TP degree.
+    prefill: RoleArgs = Field(default_factory=RoleArgs)
+    decode: RoleArgs = Field(default_factory=RoleArgs)
     embedding_model: str | None = "all-minilm-l6-v2"
     # Falls back to $NEURON_SERVE_API_KEY; no key means no authentication.
     api_key: str | None = None
@@ -189,13 +224,14 @@ class BuildArgs(BaseModel):
     @field_validator("engine_args")
     @classmethod
     def _known_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(value) - _ENGINE_ARG_NAMES
-        reserved = set(value) & {"model", "max_model_len", "num_threads"}
-        if unknown:
-            raise ValueError(f"unknown engine_args: {sorted(unknown)}")
-        if reserved:
-            raise ValueError(f"set {sorted(reserved)} at the top level, not in engine_args")
-        return value
+        return _check_engine_arg_names(value)
+
+    @model_validator(mode="after")
+    def _roles_need_disaggregation(self) -> BuildArgs:
+        for role in ("prefill", "decode"):
+            if self.mode != "disaggregated" and getattr(self, role).engine_args:
+                raise ValueError(f"{role}.engine_args needs mode 'disaggregated'")
+        return self
 
     def separate_encoder(self) -> bool:
         """Whether images go to VisionEncoder replicas (only for a model with a vision tower)."""
@@ -206,13 +242,31 @@ class BuildArgs(BaseModel):
             return False
         return has_vision_tower(self.model)
 
-    def full_engine_args(self) -> dict[str, Any]:
+    def full_engine_args(self, role: Role | None = None) -> dict[str, Any]:
+        """The engine args of one replica of ``role`` (the shared ones for None): one
+        data-parallel rank, so ``data_parallel_size`` is left out (``data_parallel_size``)."""
+        overrides = getattr(self, role).engine_args if role else {}
+        merged = {**self.engine_args, **overrides}
+        merged.pop("data_parallel_size", None)
+        tp = merged.get("tensor_parallel_size", 1)
+        if isinstance(tp, int) and tp > 1:
+            # In Serve a replica's ranks are actors in its placement group (_engine_options).
+            merged.setdefault("distributed_executor_backend", "ray")
         return {
-            **self.engine_args,
+            **merged,
             "model": self.model,
             "max_model_len": self.max_model_len,
             "num_threads": self.num_threads,
         }
+
+    def data_parallel_size(self, role: Role | None = None) -> int:
+        """Engine replicas of ``role``'s deployment (the colocated one for None)."""
+        overrides = getattr(self, role).engine_args if role else {}
+        value = overrides.get("data_parallel_size", self.engine_args.get("data_parallel_size", 1))
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            where = f"{role}.engine_args" if "data_parallel_size" in overrides else "engine_args"
+            raise ValueError(f"{where}.data_parallel_size must be an integer >= 1, got {value!r}")
+        return value
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -255,36 +309,67 @@ def validate_args(args: BuildArgs) -> EngineConfig:
     """Checks the args against the models on disk; ValueError names the setting and the limit.
 
     The engine's own EngineArgs -> EngineConfig validation (max_model_len against the model's
-    max_position_embeddings, cache and scheduler limits), then what an engine replica would
-    otherwise find only after loading its weights: the KV budget against max_model_len, the
-    architecture, the weight files and the tokenizer; the same for the embedding model.
+    max_position_embeddings, cache and scheduler limits, the parallel degrees against the
+    model's heads), then what an engine replica would otherwise find only after loading its
+    weights: the KV budget against max_model_len, the architecture, the weight files and the
+    tokenizer; the same for each role's overrides and for the embedding model.
     """
+    config = _check_engine(args, None)
+    if args.mode == "disaggregated":
+        for role in ("prefill", "decode"):
+            _check_role(args, role, config)
+    else:
+        args.data_parallel_size()
+    _check_files("model", args.model, config.model.path)
+    if args.embedding_model is not None:
+        _check_embedding_model(args.embedding_model)
+    args.separate_encoder()
+    return config
+
+
+def _check_role(args: BuildArgs, role: Role, shared: EngineConfig) -> None:
+    """A role's engine (its overrides applied), its replica count and its KV transport."""
+    config = _check_engine(args, role) if getattr(args, role).engine_args else shared
+    args.data_parallel_size(role)
+    tp = config.parallel.tensor_parallel_size
+    if tp > 1 and args.disaggregation.kv_transport == "nixl":
+        # NIXL registers rank 0's cache: its kv heads only.
+        raise ValueError(
+            f"{role} tensor_parallel_size {tp} needs disaggregation.kv_transport "
+            "'object_store' (the KV payload is re-split over the ranks' heads; the NIXL block "
+            "transport reads one rank's cache)"
+        )
+
+
+def _check_engine(args: BuildArgs, role: Role | None) -> EngineConfig:
+    where = f"{role}.engine_args" if role else "engine_args"
+    overrides = {**args.engine_args, **(getattr(args, role).engine_args if role else {})}
+    tp = overrides.get("tensor_parallel_size", 1)
+    if isinstance(tp, bool) or not isinstance(tp, int):
+        raise ValueError(f"{where}.tensor_parallel_size must be an integer, got {tp!r}")
     try:
-        config = EngineArgs(**args.full_engine_args()).create_engine_config()
+        config = EngineArgs(**args.full_engine_args(role)).create_engine_config()
         model_class(config.model.architecture)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"model {args.model!r}: {err}") from None
+        prefix = f"{role}.engine_args: " if role else ""
+        raise ValueError(f"{prefix}model {args.model!r}: {err}") from None
     capacity = kv_capacity_tokens(config)
     if capacity < config.model.max_model_len:
         cache = config.cache
         if cache.num_blocks:
-            budget = f"engine_args.num_kv_blocks {cache.num_blocks}"
-        elif args.engine_args.get("kv_cache_memory_bytes") is not None:
-            budget = f"engine_args.kv_cache_memory_bytes {cache.kv_cache_bytes}"
+            budget = f"{where}.num_kv_blocks {cache.num_blocks}"
+        elif overrides.get("kv_cache_memory_bytes") is not None:
+            budget = f"{where}.kv_cache_memory_bytes {cache.kv_cache_bytes}"
         else:
             budget = (
                 f"the default budget of {cache.kv_cache_bytes} bytes, bounded by "
-                "engine_args.kv_cache_memory_fraction of the memory available"
+                f"{where}.kv_cache_memory_fraction of the memory available"
             )
         raise ValueError(
             f"model {args.model!r}: max_model_len {config.model.max_model_len} exceeds the "
             f"KV cache's {capacity} tokens ({budget}, blocks of {cache.block_size} tokens); "
             "raise the KV budget or lower max_model_len"
         )
-    _check_files("model", args.model, config.model.path)
-    if args.embedding_model is not None:
-        _check_embedding_model(args.embedding_model)
-    args.separate_encoder()
     return config
 
 
@@ -334,7 +419,10 @@ def build_openai_app(
     else:
         llm = (
             as_deployment(LLMServer)
-            .options(request_router_config=_pinning_router(), **(llm_options or {}))
+            .options(
+                request_router_config=_pinning_router(),
+                **engine_options(args, None, LLMServer, llm_options),
+            )
             .bind(
                 engine_args,
                 llm_engine_cls,
@@ -373,7 +461,6 @@ def _disaggregated(
 ) -> Any:
     """PDRouter -> PrefillServer (prefix-affinity routed) and DecodeServer (KV-capacity
     routed), and VisionEncoder replicas (rendezvous routed) for a model with a vision tower."""
-    engine_args = args.full_engine_args()
     pd = args.disaggregation
     transport = KVTransportConfig(pd.kv_transport, pd.kv_hold_timeout_s, pd.kv_nixl_backend)
     if pd.prefill_routing == "prefix_affinity":
@@ -391,10 +478,10 @@ def _disaggregated(
         as_deployment(PrefillServer)
         .options(
             request_router_config=prefill_router,
-            **(prefill_options or {}),
+            **engine_options(args, "prefill", PrefillServer, prefill_options),
         )
         .bind(
-            engine_args,
+            args.full_engine_args("prefill"),
             engine_cls,
             args.health_stall_timeout_s,
             transport,
@@ -409,10 +496,10 @@ def _disaggregated(
                 request_router_class="router.request_routers:KVCapacityRouter",
                 request_routing_stats_period_s=pd.routing_stats_period_s,
             ),
-            **(decode_options or {}),
+            **engine_options(args, "decode", DecodeServer, decode_options),
         )
         .bind(
-            engine_args,
+            args.full_engine_args("decode"),
             engine_cls,
             args.health_stall_timeout_s,
             pd.kv_fetch_timeout_s,
@@ -454,6 +541,34 @@ def _disaggregated(
             max_migrations=args.max_migrations,
         )
     )
+
+
+def engine_options(
+    args: BuildArgs, role: Role | None, cls: object, options: dict[str, Any] | None
+) -> dict[str, Any]:
+    """An engine deployment's options: ``data_parallel_size`` replicas (each one DP rank with
+    its own ranks), and for a TP > 1 engine whose ranks are Ray actors a placement group of
+    one bundle per rank, each holding what one replica asks for (rank 0 is the replica)."""
+    options = dict(options or {})
+    dp = args.data_parallel_size(role)
+    if dp > 1:
+        if "autoscaling_config" in options or options.get("num_replicas", dp) != dp:
+            raise ValueError(
+                f"data_parallel_size {dp} fixes {as_deployment(cls).name}'s replicas at {dp}: "
+                "set neither num_replicas nor autoscaling_config for it"
+            )
+        options["num_replicas"] = dp
+    engine_args = args.full_engine_args(role)
+    tp = engine_args.get("tensor_parallel_size", 1)
+    if tp > 1 and engine_args["distributed_executor_backend"] == "ray":
+        actor = options.get("ray_actor_options") or as_deployment(cls).ray_actor_options or {}
+        bundle = {"CPU": float(actor.get("num_cpus", 1))}
+        if actor.get("num_gpus"):
+            bundle["GPU"] = float(actor["num_gpus"])
+        bundle.update({k: float(v) for k, v in (actor.get("resources") or {}).items()})
+        options.setdefault("placement_group_bundles", [bundle] * tp)
+        options.setdefault("placement_group_strategy", "STRICT_PACK")
+    return options
 
 
 def _pinning_router() -> RequestRouterConfig:

@@ -30,7 +30,7 @@ from ray.serve._private.build_app import build_app as build_serve_app
 from ray.serve.deployment import Deployment
 from ray.serve.schema import DeploymentSchema, ServeApplicationSchema, ServeDeploySchema
 
-from app.builder import BuildArgs, as_deployment, build_openai_app, validate_args
+from app.builder import BuildArgs, Role, as_deployment, build_openai_app, validate_args
 from deployments.decode import DecodeServer
 from deployments.llm_server import LLMServer
 from deployments.prefill import PrefillServer
@@ -40,6 +40,12 @@ BUILDER = "app.builder:build_app"
 ENGINE_DEPLOYMENTS = frozenset(
     as_deployment(cls).name for cls in (LLMServer, PrefillServer, DecodeServer)
 )
+# engine deployment -> the role whose engine args it runs (BuildArgs.prefill / .decode)
+ENGINE_ROLES: dict[str, Role | None] = {
+    as_deployment(PrefillServer).name: "prefill",
+    as_deployment(DecodeServer).name: "decode",
+    as_deployment(LLMServer).name: None,
+}
 # device -> the Ray resource that places a replica on it (and pins its cores or GPUs)
 DEVICE_RESOURCES = {"neuron": "neuron_cores", "cuda": "GPU"}
 
@@ -75,6 +81,11 @@ def check_application(app: ServeApplicationSchema) -> None:
     for name, deployment in built.items():
         override = overrides.get(name)
         device = config.device if name in ENGINE_DEPLOYMENTS else "cpu"
+        if name in ENGINE_DEPLOYMENTS:
+            engine_args = args.full_engine_args(ENGINE_ROLES[name])
+            device = engine_args.get("device", config.device)
+            dp = args.data_parallel_size(ENGINE_ROLES[name])
+            _check_parallel(name, dp, engine_args, override)
         requested = _requested_resources(deployment, override)
         for accelerator, resource in DEVICE_RESOURCES.items():
             asked = requested.get(resource, 0) > 0
@@ -109,6 +120,36 @@ def _check_known_keys(model: BaseModel, raw: dict[str, Any], where: str) -> None
 
 
 _OPTION_HINTS = {"neuron_cores": "resources: {neuron_cores: N}", "GPU": "num_gpus: N"}
+
+
+def _check_parallel(
+    name: str, dp: int, engine_args: dict[str, Any], override: DeploymentSchema | None
+) -> None:
+    """What the builder derives from the parallel degrees, not undone by the config: DP
+    fixes the replica count; a TP engine with rank actors needs one bundle per rank."""
+    fields = override.model_fields_set if override is not None else set()
+    replicas = override.num_replicas if override is not None else None
+    if dp > 1 and ("autoscaling_config" in fields or ("num_replicas" in fields and replicas != dp)):
+        raise ValueError(
+            f"deployment {name!r}: data_parallel_size {dp} fixes its replicas at {dp}; "
+            "set neither num_replicas nor autoscaling_config"
+        )
+    tp = engine_args.get("tensor_parallel_size", 1)
+    if tp == 1 or engine_args.get("distributed_executor_backend") != "ray" or override is None:
+        return
+    if "placement_group_bundles" in fields:
+        bundles = override.placement_group_bundles or []
+        if len(bundles) != tp:
+            raise ValueError(
+                f"deployment {name!r}: tensor_parallel_size {tp} needs {tp} "
+                f"placement_group_bundles (one per rank), got {len(bundles)}"
+            )
+    elif "ray_actor_options" in fields:
+        raise ValueError(
+            f"deployment {name!r}: with tensor_parallel_size {tp} and its ray_actor_options "
+            f"set here, set placement_group_bundles too ({tp} bundles, the first holding "
+            "ray_actor_options' resources)"
+        )
 
 
 def _requested_resources(
