@@ -225,8 +225,11 @@ class EngineConfig:
             raise ValueError(
                 "tensor_parallel_size > 1 runs graph_mode 'eager' only, without speculative_config"
             )
-        if self.speculative is not None and self.graph.static:
+        spec = self.speculative
+        if spec is not None and self.graph.static and spec.method != "ngram":
+            # Draft models and EAGLE heads draft with eager forwards; the static backend has
+            # graphs only.
             raise ValueError(
-                "speculative_config runs with graph_mode 'eager' only (the static runner has "
-                "no k+1-token verify buckets yet)"
+                f"speculative_config.method {spec.method!r} runs with graph_mode 'eager' only; "
+                "static graphs speculate with 'ngram'"
             )

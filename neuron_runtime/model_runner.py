@@ -201,7 +201,12 @@ class ModelRunner:
         """
         step = self.prepare_inputs(out)
         if self.static is not None:
-            return self.outputs(step, *self._forward_and_sample_static(step))
+            hidden, logits, tokens, nan_rows = self._forward_and_sample_static(step)
+            result = self.outputs(step, hidden, logits, tokens, nan_rows)
+            if self.spec is not None:
+                assert hidden is not None
+                self.spec.after_forward(step, hidden, result)
+            return result
         hidden, logits = self.forward(step)
         last_hidden = hidden[step.sample_rows]  # [S, H]
         # NaN anywhere in a row's hidden state poisons all its logits; checking H values per
@@ -267,9 +272,7 @@ class ModelRunner:
         self, step: StepInputs
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         assert self.static is not None
-        num_decode = len(step.decodes.context_lens)
-        decodes = [(s.token_ids[0], s.start_pos, s.block_table) for s in step.seqs[:num_decode]]
-        prefills = [(s.token_ids, s.start_pos, s.block_table) for s in step.seqs[num_decode:]]
+        slices = [(s.token_ids, s.start_pos, s.block_table) for s in step.seqs]
         images = self._image_features(step.image_rows) if step.image_rows else None
         sampling = None
         if step.sample_seqs:
@@ -277,10 +280,12 @@ class ModelRunner:
             sampling = sampling_inputs(
                 step.sample_seqs, batch, self.config.model.vocab_size, self.generator_device
             )
-        sampled_slices = [i for i, seq in enumerate(step.seqs) if seq.sample]
-        return self.static.execute(
-            decodes, prefills, images, sampling, sampled_slices, bool(step.prompt_rows)
-        )
+        # Verify slices sample in spec_decode/ from their hidden states.
+        sampled_slices = [
+            i for i, seq in enumerate(step.seqs) if seq.sample and not seq.num_spec_tokens
+        ]
+        want_hidden = bool(step.prompt_rows) or self.spec is not None
+        return self.static.execute(slices, images, sampling, sampled_slices, want_hidden)
 
     def outputs(
         self,

@@ -286,8 +286,11 @@ def test_engine_config_checks(tiny_llama_path, draft_1layer_path):
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     config = EngineArgs(**args, speculative_config=spec).create_engine_config()
     assert config.speculative == SpeculativeConfig("ngram", 2)
-    with pytest.raises(ValueError, match="graph_mode"):
-        EngineArgs(**args, speculative_config=spec, graph_mode="inductor").create_engine_config()
+    self_spec = {"method": "draft_model", "num_speculative_tokens": 2, "num_draft_layers": 1}
+    with pytest.raises(ValueError, match="method 'draft_model' runs with graph_mode 'eager'"):
+        EngineArgs(
+            **args, speculative_config=self_spec, graph_mode="inductor"
+        ).create_engine_config()
     with pytest.raises(ValueError, match="num_draft_layers must be in"):
         LLM(**args, speculative_config={**spec, "method": "draft_model", "num_draft_layers": 2})
 

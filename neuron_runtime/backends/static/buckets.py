@@ -2,9 +2,12 @@
 
 A compiled graph serves one input shape. Decodes run as ``[num_seqs, 1]`` token grids,
 prefill slices one at a time as ``[1, num_tokens]``; both attend over a block table of
-``context_blocks`` blocks. Each dimension takes the smallest bucket that holds it: padding
-wastes at most half of a power-of-two bucket, and the number of graphs grows with the log of
-the limits.
+``context_blocks`` blocks. With speculative decoding a step's short slices (a verify slice:
+the last token and up to k drafts; a decode; a prompt of at most k + 1 tokens) run together
+as one ``[num_seqs, k + 1]`` verify grid, each row padded to k + 1 tokens (one weight read
+for the whole batch). Each dimension takes the smallest bucket that holds it: padding wastes
+at most half of a power-of-two bucket, and the number of graphs grows with the log of the
+limits.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Literal
 
 from neuron_runtime.config import EngineConfig
 
-Phase = Literal["decode", "prefill"]
+Phase = Literal["decode", "verify", "prefill"]
 
 MIN_TOKEN_BUCKET = 16
 MIN_CONTEXT_BUCKET = 4  # blocks
@@ -50,11 +53,13 @@ class Buckets:
     tokens: tuple[int, ...]
     context_blocks: tuple[int, ...]
     block_size: int
+    # Tokens per row of the verify grids: k + 1 with speculative decoding; 1 means none.
+    verify_tokens: int = 1
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Buckets:
         """The configured buckets; each list left empty is generated from the limits."""
-        graph, sched = config.graph, config.scheduler
+        graph, sched, spec = config.graph, config.scheduler, config.speculative
         max_blocks = -(-config.model.max_model_len // config.cache.block_size)
         max_slice = min(sched.max_num_batched_tokens, config.model.max_model_len)
         buckets = cls(
@@ -62,6 +67,7 @@ class Buckets:
             tokens=graph.token_buckets or powers_of_two(max_slice, MIN_TOKEN_BUCKET),
             context_blocks=graph.context_buckets or powers_of_two(max_blocks, MIN_CONTEXT_BUCKET),
             block_size=config.cache.block_size,
+            verify_tokens=1 + (spec.num_speculative_tokens if spec is not None else 0),
         )
         for name, values, need in (
             ("seq_buckets", buckets.seqs, sched.max_num_seqs),
@@ -80,6 +86,22 @@ class Buckets:
             "decode", fit(self.seqs, num_seqs), 1, fit(self.context_blocks, context_blocks)
         )
 
+    def verify(self, num_seqs: int, context_blocks: int) -> Bucket:
+        assert self.verify_tokens > 1, "no verify buckets without speculative decoding"
+        return Bucket(
+            "verify",
+            fit(self.seqs, num_seqs),
+            self.verify_tokens,
+            fit(self.context_blocks, context_blocks),
+        )
+
+    def rows(self, num_seqs: int, max_tokens: int, context_blocks: int) -> Bucket:
+        """The grid for ``num_seqs`` short slices of at most ``max_tokens`` tokens each: the
+        decode grid when each has one token, else the verify grid."""
+        if max_tokens == 1:
+            return self.decode(num_seqs, context_blocks)
+        return self.verify(num_seqs, context_blocks)
+
     def prefill(self, num_tokens: int, context_blocks: int) -> Bucket:
         tokens = fit(self.tokens, num_tokens)
         # The slice's own keys live in the table too: at least ceil(tokens / block_size).
@@ -89,6 +111,8 @@ class Buckets:
     def all(self) -> list[Bucket]:
         """Every bucket a step can select: the warm-up list."""
         decodes = [self.decode(s, c) for s in self.seqs for c in self.context_blocks]
+        if self.verify_tokens > 1:
+            decodes += [self.verify(s, c) for s in self.seqs for c in self.context_blocks]
         prefills = {self.prefill(t, c) for t in self.tokens for c in self.context_blocks}
         return decodes + sorted(prefills, key=lambda b: (b.num_tokens, b.context_blocks))
 

@@ -1,6 +1,7 @@
 """The static runner: a step's slices padded into buckets and run as precompiled graphs.
 
-Per step, the decodes run as one ``[num_seqs, 1]`` graph and each prefill slice as one
+Per step, the decodes run as one ``[num_seqs, 1]`` graph (with speculative decoding, when a
+verify slice is among them, as one ``[num_seqs, k + 1]`` grid) and each prefill slice as one
 ``[1, num_tokens]`` graph (buckets.py); the logits of each slice's last token come out of the
 same graph. Sampling runs as a second graph over the sampled rows (sampler.py). Everything
 that cannot be static (logprobs, prompt logprobs, NaN checks) runs on the host afterwards,
@@ -18,6 +19,7 @@ import json
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -114,6 +116,7 @@ class StaticRunner:
         self.compile_seconds: dict[str, float] = {}  # graph name -> warm-up seconds
         self.num_compiles_after_warm_up = 0
         self._warm_compiles: int | None = None
+        self.phase_runs: Counter[str] = Counter()  # model graph runs per phase, warm-up included
 
     # Graph bodies ---------------------------------------------------------------------------
     def _model_step(
@@ -241,79 +244,71 @@ class StaticRunner:
         out = self._model_graph(
             self.kv_caches, **inputs, num_seqs=bucket.num_seqs, num_tokens=bucket.num_tokens
         )
+        self.phase_runs[bucket.phase] += 1
         self._check_compiles(str(bucket))
         return out
 
     def execute(
         self,
-        decodes: list[tuple[int, int, list[int]]],  # (token, position, block table) per slice
-        prefills: list[tuple[list[int], int, list[int]]],  # (tokens, start_pos, block table)
+        slices: list[tuple[list[int], int, list[int]]],  # (tokens, start_pos, block table)
         images: tuple[list[int], torch.Tensor] | None,  # (step rows, features [n, hidden])
         sampling: StaticSamplingInputs | None,  # one row per sampled slice
-        sampled: list[int],  # the slices (decodes first) that sample, in order
+        sampled: list[int],  # the slices that sample, in order
         want_hidden: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Runs a step's graphs: the decodes as one ``[num_seqs, 1]`` bucket, each prefill
-        slice as a ``[1, num_tokens]`` bucket, each followed by its sampler graph.
+        """Runs a step's graphs: the short slices (one token; with speculative decoding up to
+        k + 1) as one ``[num_seqs, 1]`` or ``[num_seqs, k + 1]`` grid, each other slice as a
+        ``[1, num_tokens]`` prefill bucket, each followed by its sampler graph.
 
-        Returns hidden states [T, hidden] (only ``want_hidden``: prompt logprobs read them),
-        the sampled slices' raw logits [S, V], their tokens [S] and NaN flags [S] (on the CPU).
+        ``slices`` are in the step's row order. Returns hidden states [T, hidden] in that
+        order (only ``want_hidden``: prompt logprobs and verify slices read them), the sampled
+        slices' raw logits [S, V], their tokens [S] and NaN flags [S] (on the CPU).
         """
         bs = self.block_size
         sample_row = {slice_idx: row for row, slice_idx in enumerate(sampled)}
         image_at = {}
         if images is not None:
             image_at = {step_row: i for i, step_row in enumerate(images[0])}
-        calls: list[
-            tuple[Bucket, list[int], list[list[int]], list[list[int]], list[list[int]]]
-        ] = []
-        if decodes:
-            context = max(-(-(pos + 1) // bs) for _, pos, _ in decodes)
-            calls.append(
-                (
-                    self.buckets.decode(len(decodes), context),
-                    list(range(len(decodes))),
-                    [[token] for token, _, _ in decodes],
-                    [[pos] for _, pos, _ in decodes],
-                    [table[: -(-(pos + 1) // bs)] for _, pos, table in decodes],
-                )
-            )
-        for i, (tokens, start, table) in enumerate(prefills):
-            blocks = -(-(start + len(tokens)) // bs)
-            calls.append(
-                (
-                    self.buckets.prefill(len(tokens), blocks),
-                    [len(decodes) + i],
-                    [tokens],
-                    [list(range(start, start + len(tokens)))],
-                    [table[:blocks]],
-                )
-            )
-        hidden_parts, logits_rows, token_rows, nan_rows = [], {}, {}, {}
-        step_row = 0
-        for bucket, slices, ids, positions, tables in calls:
+        first_row = [0]
+        for tokens, _, _ in slices:
+            first_row.append(first_row[-1] + len(tokens))
+        short = [i for i, (t, _, _) in enumerate(slices) if len(t) <= self.buckets.verify_tokens]
+        calls: list[tuple[Bucket, list[int]]] = []  # (bucket, its slices)
+        if short:
+            context = max(-(-(slices[i][1] + len(slices[i][0])) // bs) for i in short)
+            widest = max(len(slices[i][0]) for i in short)
+            calls.append((self.buckets.rows(len(short), widest, context), short))
+        for i, (tokens, start, _) in enumerate(slices):
+            if len(tokens) > self.buckets.verify_tokens:
+                blocks = -(-(start + len(tokens)) // bs)
+                calls.append((self.buckets.prefill(len(tokens), blocks), [i]))
+        hidden_parts: dict[int, torch.Tensor] = {}
+        logits_rows, token_rows, nan_rows = {}, {}, {}
+        for bucket, members in calls:
+            ids, positions, tables = [], [], []
+            for i in members:
+                tokens, start, table = slices[i]
+                ids.append(tokens)
+                positions.append(list(range(start, start + len(tokens))))
+                tables.append(table[: -(-(start + len(tokens)) // bs)])
             bucket_images = None
             if image_at:
                 where, rows = [], []
-                for s, row_ids in enumerate(ids):
-                    for i in range(len(row_ids)):
-                        if step_row + i in image_at:
-                            where.append((s, i))
-                            rows.append(image_at[step_row + i])
-                    step_row += len(row_ids)
+                for s, i in enumerate(members):
+                    for j in range(len(ids[s])):
+                        if first_row[i] + j in image_at:
+                            where.append((s, j))
+                            rows.append(image_at[first_row[i] + j])
                 if rows:
                     assert images is not None
                     bucket_images = (where, images[1][rows])
-            else:
-                step_row += sum(len(r) for r in ids)
             inputs = self._rows(bucket, ids, positions, tables, bucket_images)
             hidden, logits, nan = self._run_model(bucket, inputs)
             if want_hidden:
-                hidden_parts += [
-                    hidden[s * bucket.num_tokens : s * bucket.num_tokens + len(r)]
-                    for s, r in enumerate(ids)
-                ]
-            picked = [sample_row.get(slice_idx) for slice_idx in slices]
+                q = bucket.num_tokens
+                for s, i in enumerate(members):
+                    hidden_parts[i] = hidden[s * q : s * q + len(ids[s])]
+            picked = [sample_row.get(i) for i in members]
             if sampling is None or all(p is None for p in picked):
                 continue
             rows_in_bucket = picked + [None] * (bucket.num_seqs - len(picked))
@@ -324,7 +319,9 @@ class StaticRunner:
                     token_rows[row], nan_rows[row], logits_rows[row] = chosen[s], nan[s], logits[s]
         n = len(sampled)
         vocab = self.vocab_size
-        hidden_all = torch.cat(hidden_parts) if want_hidden and hidden_parts else None
+        hidden_all = None
+        if want_hidden and hidden_parts:
+            hidden_all = torch.cat([hidden_parts[i] for i in range(len(slices))])
         if not n:
             return hidden_all, torch.empty(0, vocab), None, torch.empty(0, dtype=torch.bool)
         return (
