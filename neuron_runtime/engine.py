@@ -105,7 +105,7 @@ class LLMEngine:
         self.kv_layout = cache_layout(self.runner.kv_caches)
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:
-            self.spec = SpecDecoder(config, self.runner, self.kv)
+            self.spec = SpecDecoder(config, self.runner, self.kv, self.structured)
             self.runner.spec = self.spec
         self._handoffs: dict[str, KVHandoff] = {}  # parent id -> handoff waiting for its output
         self._reads: dict[str, _BlockRead] = {}  # req_id -> its KV arriving by block read
@@ -235,7 +235,8 @@ class LLMEngine:
             )
         updated = self.scheduler.update(runnable, result.sampled, result.failed, result.accepted)
         self._hand_off(updated)
-        outputs, stopped = self.output_processor.process(updated, result.logprobs)
+        draft_logprobs = self.spec.take_logprobs() if self.spec is not None else {}
+        outputs, stopped = self.output_processor.process(updated, result.logprobs, draft_logprobs)
         for child_id in stopped:
             self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
         for request in updated:

@@ -105,9 +105,17 @@ class OutputProcessor:
                 parent.prompt_logprobs.extend(chunk)
 
     def process(
-        self, updated: list[Request], logprobs: dict[str, dict[int, float]]
+        self,
+        updated: list[Request],
+        logprobs: dict[str, dict[int, float]],
+        draft_logprobs: dict[str, list[dict[int, float]]] | None = None,
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to deliver and the child ids that a stop string ended."""
+        """Returns the outputs to deliver and the child ids that a stop string ended.
+
+        ``logprobs``: the entry of each request's sampled token; ``draft_logprobs``: those of
+        the speculative drafts accepted before it. A stop string is looked for after each new
+        token, and the tokens after the one completing it are dropped.
+        """
         stopped: list[str] = []
         touched: dict[str, _Parent] = {}
         now = time.monotonic()
@@ -122,15 +130,23 @@ class OutputProcessor:
                 parent.error = request.error
             else:
                 new_tokens = request.all_token_ids[request.num_prompt_tokens + len(seq.token_ids) :]
-                seq.token_ids.extend(new_tokens)
-                entry = logprobs.get(request.req_id)
-                if seq.logprobs is not None and entry is not None:
-                    seq.logprobs.append(entry)
-                    seq.cumulative_logprob += entry[new_tokens[-1]]
-                if seq.detokenizer is not None:
-                    seq.text += seq.detokenizer.update(new_tokens)
-                if seq.stop is not None:
-                    self._check_stop_strings(request, seq, stopped)
+                entries: list[dict[int, float] | None] = [
+                    *(draft_logprobs or {}).get(request.req_id, []),
+                    logprobs.get(request.req_id),
+                ]
+                num_before = request.num_output_tokens - len(new_tokens)
+                for i, token in enumerate(new_tokens):
+                    seq.token_ids.append(token)
+                    entry = entries[i] if i < len(entries) else None
+                    if seq.logprobs is not None and entry is not None:
+                        seq.logprobs.append(entry)
+                        seq.cumulative_logprob += entry[token]
+                    if seq.detokenizer is not None:
+                        seq.text += seq.detokenizer.update([token])
+                    if seq.stop is not None and self._check_stop_strings(
+                        request, seq, stopped, num_before + i + 1
+                    ):
+                        break
             if request.status.finished:
                 if seq.detokenizer is not None and seq.stop_reason is None:
                     seq.text += seq.detokenizer.flush()
@@ -153,19 +169,23 @@ class OutputProcessor:
             seq.stop.skip(seq.text)
 
     @staticmethod
-    def _check_stop_strings(request: Request, seq: _Sequence, stopped: list[str]) -> None:
+    def _check_stop_strings(
+        request: Request, seq: _Sequence, stopped: list[str], num_output_tokens: int
+    ) -> bool:
+        """Whether a stop string ended the sequence at its ``num_output_tokens``-th token."""
         assert seq.stop is not None
-        if request.num_output_tokens <= request.params.min_tokens:
+        if num_output_tokens <= request.params.min_tokens:
             seq.stop.skip(seq.text)  # text before min_tokens is out never stops the request
-            return
+            return False
         cut = seq.stop.check(seq.text)
         if cut is None:
-            return
+            return False
         seq.text, seq.stop_reason = cut
         if not request.status.finished:
             stopped.append(request.req_id)  # the engine still has to end it
         # Also when the same token hit max_tokens: the stop string explains the end.
         request.status = RequestStatus.FINISHED_STOPPED
+        return True
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Marks every unfinished sequence of the request aborted; returns its final output."""

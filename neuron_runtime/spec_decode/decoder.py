@@ -8,14 +8,24 @@ One engine step with speculation:
               -> the proposer drafts k tokens after the new last token (``propose``)
     step t+1: the scheduler budgets 1 + k tokens for the request, and so on.
 
-A request speculates only when each of its positions samples from the same rules: no
-penalties, bad words, grammar, stop strings or logprobs, and min_tokens already reached
-(those depend on the tokens before each position); the others decode one token at a time
+Row i of a verify slice samples what follows the output plus the first i drafts, so
+everything a row's distribution depends on must be known for each i:
+- a grammar (structured outputs): the draft is cut at the first token the grammar rejects,
+  and row i gets the grammar's bitmask after the first i drafts (the matcher advances through
+  the draft and rolls back; the accepted tokens then advance it as any sampled token does);
+  EOS is allowed exactly where the grammar accepts, as without speculation;
+- stop strings: the output processor checks the text after each emitted token and drops
+  the tokens after a stop string;
+- logprobs: each emitted token's entry comes from its row's raw logits, as the sampler's.
+Penalties, bad words and min_tokens not yet reached depend on the tokens before a position
+in ways the target's rows do not carry (token counts, banned continuations, the EOS ban);
+such requests, and prefill-role requests that hand their KV off, decode one token per step
 in the same batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -23,11 +33,14 @@ import torch
 
 from neuron_runtime.config import EngineConfig
 from neuron_runtime.kv_cache import KVCacheManager
+from neuron_runtime.kv_transfer import DraftHidden
 from neuron_runtime.request import Request, RequestStatus
-from neuron_runtime.sampler import SamplingBatch
+from neuron_runtime.sampler import SamplingBatch, top_logprobs
+from neuron_runtime.scheduler import SchedulerOutput
 from neuron_runtime.spec_decode.metrics import SpecDecodeCounters, SpecDecodeStats
 from neuron_runtime.spec_decode.ngram import NgramProposer
 from neuron_runtime.spec_decode.rejection import accept_greedy, rejection_sample, target_probs
+from neuron_runtime.structured_output import StructuredOutputManager, apply_token_bitmask
 
 if TYPE_CHECKING:
     from neuron_runtime.model_runner import ModelRunner, ModelRunnerOutput, StepInputs
@@ -55,16 +68,27 @@ class Proposer(Protocol):
 
     def release(self, req_id: str) -> None: ...
 
+    def export_state(self, req_id: str) -> DraftHidden | None:
+        """Prefill role: what a decode engine's proposer needs to draft after a handed-off
+        prompt (EAGLE: the target's hidden states), or None; forgotten here."""
+        ...
+
+    def import_state(self, request: Request, state: DraftHidden) -> None:
+        """Decode role: takes what ``export_state`` gave for a handed-off request."""
+        ...
+
+    def can_draft_on_arrival(self, request: Request) -> bool:
+        """Whether it can draft for a handed-off request before the request's first target
+        step here, while the prompt's KV may still be arriving."""
+        ...
+
 
 def speculates(request: Request) -> bool:
-    """Whether every position of a verify slice samples under the same rules (see above)."""
+    """Whether each row of a verify slice can sample by its own rules (see above)."""
     p = request.params
     return (
-        p.logprobs is None
-        and not p.has_penalties
+        not p.has_penalties
         and not p.bad_words
-        and not p.stop
-        and p.structured_outputs is None
         and request.num_output_tokens >= p.min_tokens
         and not request.export_kv
     )
@@ -80,17 +104,28 @@ class _Acceptance:
 class SpecDecoder:
     """Owns the proposer, verifies speculative slices and counts acceptance."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        kv: KVCacheManager,
+        structured: StructuredOutputManager | None = None,
+    ) -> None:
         spec = config.speculative
         assert spec is not None
         self.config = spec
         self.k = spec.num_speculative_tokens
         self.max_model_len = config.model.max_model_len
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.runner = runner
         self.kv = kv
+        self.structured = structured  # grammar state of constrained requests
         self.proposer = build_proposer(config, runner)
         self.counters = SpecDecodeCounters(self.k)
         self._acceptance: dict[str, _Acceptance] = {}
+        self._seen: set[str] = set()  # requests the proposer may hold state of
+        # req_id -> logprobs entries of the drafts the last verify accepted (``take_logprobs``)
+        self._draft_logprobs: dict[str, list[dict[int, float]]] = {}
 
     def stats(self) -> SpecDecodeStats:
         return self.counters.snapshot()
@@ -98,30 +133,27 @@ class SpecDecoder:
     def propose(self, running: list[Request]) -> None:
         """Sets ``spec_token_ids`` of the running requests that decode next step."""
         live = {r.req_id for r in running}
-        for req_id in [r for r in self._acceptance if r not in live]:
-            del self._acceptance[req_id]
+        for req_id in (self._seen | set(self._acceptance)) - live:
+            self._acceptance.pop(req_id, None)
             self.proposer.release(req_id)
+        self._seen = live
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
         requests, counts = [], []
         for request in running:
             if not speculates(request):
-                self.proposer.release(request.req_id)  # it never drafts: keep no state
+                if not request.export_kv:  # a prefill-role request's state goes with it
+                    self.proposer.release(request.req_id)  # it never drafts: keep no state
                 continue
             if (
                 request.status != RequestStatus.RUNNING
                 or request.num_computed_tokens != request.num_tokens - 1
+                or request.spec_token_ids  # drafted, not verified yet (it did not run)
                 or self._backing_off(request.req_id)
             ):
                 continue
-            max_tokens = request.max_tokens or self.max_model_len
-            # The verify step emits up to k + 1 tokens and feeds positions up to num_tokens + k - 1.
-            k = min(
-                self.k,
-                max_tokens - request.num_output_tokens - 1,
-                self.max_model_len - request.num_tokens,
-            )
+            k = self._num_drafts(request)
             if k < 1:
                 continue
             if self.proposer.needs_slots and not self.kv.allocate_slots(request, k + 1):
@@ -133,9 +165,76 @@ class SpecDecoder:
         with torch.inference_mode():
             drafts = self.proposer.propose(requests, counts)
         for request, k, draft in zip(requests, counts, drafts, strict=True):
-            request.spec_token_ids = list(draft[:k])
+            draft = list(draft[:k])
+            if self.structured is not None and request.params.structured_outputs is not None:
+                # Tokens past one the grammar rejects could never be accepted.
+                draft = draft[: self.structured.valid_draft_length(request.req_id, draft)]
+            request.spec_token_ids = draft
             if self.proposer.needs_slots and len(draft) < k:
                 self.kv.trim(request, request.num_tokens + len(draft))
+
+    def _num_drafts(self, request: Request) -> int:
+        max_tokens = request.max_tokens or self.max_model_len
+        # The verify step emits up to k + 1 tokens and feeds positions up to num_tokens + k - 1.
+        return min(
+            self.k,
+            max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens,
+        )
+
+    def export_state(self, req_id: str) -> DraftHidden | None:
+        """Prefill role: the proposer's state a handed-off request takes along (KVHandoff)."""
+        return self.proposer.export_state(req_id)
+
+    def import_state(self, request: Request, state: DraftHidden) -> None:
+        self.proposer.import_state(request, state)
+
+    def release(self, req_id: str) -> None:
+        """Forgets an aborted request (one that may never have run here)."""
+        self._acceptance.pop(req_id, None)
+        self.proposer.release(req_id)
+
+    def propose_arrivals(self, scheduled: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Decode role: requests admitted in this step after a KV handoff draft already in it
+        (their first slice here becomes a verify slice), where the proposer can draft before
+        the prompt's KV is in (n-gram, a separate draft model, EAGLE from the handed-off
+        hidden states) and the step's token budget has room."""
+        limit = self.config.disable_by_batch_size
+        running = sum(1 for r in requests.values() if r.status == RequestStatus.RUNNING)
+        if limit is not None and running > limit:
+            return
+        room = self.max_num_batched_tokens - scheduled.num_batched_tokens
+        arrivals, counts = [], []
+        for seq in scheduled.seqs:
+            request = requests[seq.req_id]
+            if seq.kv_import is None or len(seq.token_ids) != 1 or seq.num_spec_tokens:
+                continue
+            if not speculates(request) or request.params.structured_outputs is not None:
+                continue  # (a grammar's draft rows are masked in ``propose``)
+            if not self.proposer.can_draft_on_arrival(request):
+                continue
+            k = min(self._num_drafts(request), room)
+            if k < 1 or not self.kv.allocate_slots(request, k + 1):
+                continue
+            room -= k
+            arrivals.append((seq, request))
+            counts.append(k)
+        if not arrivals:
+            return
+        with torch.inference_mode():
+            drafts = self.proposer.propose([r for _, r in arrivals], counts)
+        for (seq, request), k, draft in zip(arrivals, counts, drafts, strict=True):
+            draft = list(draft[:k])
+            self._acceptance.setdefault(request.req_id, _Acceptance())
+            if len(draft) < k:
+                self.kv.trim(request, request.num_tokens + len(draft))
+            if not draft:
+                continue
+            request.spec_token_ids = draft
+            seq.token_ids = seq.token_ids + draft
+            seq.num_spec_tokens = len(draft)
+            seq.block_table = list(request.block_table)
+            scheduled.num_batched_tokens += len(draft)
 
     def _backing_off(self, req_id: str) -> bool:
         state = self._acceptance.setdefault(req_id, _Acceptance())
@@ -163,21 +262,34 @@ class SpecDecoder:
     ) -> None:
         """Verifies the step's speculative slices (filling ``result``), then lets the proposer
         see the hidden states. hidden: [T, hidden] for every row of the step."""
+        self._draft_logprobs = {}
+        self._seen.update(seq.req_id for seq in step.seqs)
         if step.verify:
             self._verify(step, hidden, result)
         self.proposer.observe(step, hidden, result)
+
+    def take_logprobs(self) -> dict[str, list[dict[int, float]]]:
+        """req_id -> logprobs entries of the drafts the last step accepted, in order (the
+        step's ``ModelRunnerOutput.logprobs`` has the entry of the token sampled after them)."""
+        entries, self._draft_logprobs = self._draft_logprobs, {}
+        return entries
 
     def _verify(self, step: StepInputs, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         runner = self.runner
         rows: list[int] = []
         seqs = []
+        drafts: dict[str, list[int]] = {}  # constrained slices: their rows' bitmasks differ
         for seq, first in step.verify:
             n = seq.num_spec_tokens + 1
             rows.extend(range(first, first + n))
+            if seq.grammar_bitmask is not None:
+                drafts[seq.req_id] = seq.token_ids[-seq.num_spec_tokens :]
+                seq = dataclasses.replace(seq, grammar_bitmask=None)  # masked per row below
             seqs.extend([seq] * n)
         verified = hidden[rows]  # [R, hidden]: the last token, then each draft
         nan_rows = torch.isnan(verified).any(dim=-1).tolist()
-        logits = runner._process_logits(seqs, runner.model.compute_logits(verified))  # [R, V]
+        raw = runner.model.compute_logits(verified)  # [R, V]
+        logits = self._mask_grammar_rows(step, runner._process_logits(seqs, raw), drafts)
         argmax = logits.argmax(dim=-1).tolist()
         batch = runner._sampling_batch(seqs, logits.device)
         row = 0
@@ -203,7 +315,52 @@ class SpecDecoder:
                 tokens = rejection_sample(probs, draft, own.generators[0])
             result.accepted[seq.req_id] = tokens[:-1]
             result.sampled[seq.req_id] = tokens[-1]
+            if seq.params.logprobs is not None:
+                entries = logprob_entries(raw[rows_of][: len(tokens)], tokens, seq.params.logprobs)
+                result.logprobs[seq.req_id] = entries[-1]
+                self._draft_logprobs[seq.req_id] = entries[:-1]
             self._record(seq.req_id, len(draft), len(tokens) - 1)
+
+    def _mask_grammar_rows(
+        self, step: StepInputs, logits: torch.Tensor, drafts: dict[str, list[int]]
+    ) -> torch.Tensor:
+        """Masks each constrained slice's rows of ``logits`` [R, V] (the verify rows in
+        ``step.verify`` order) with the grammar's bitmask after each prefix of its draft."""
+        if not drafts:
+            return logits
+        assert self.structured is not None
+        masks = self.structured.draft_bitmasks(drafts)  # req_id -> [k + 1, W]
+        parts: list[torch.Tensor] = []
+        rows: list[int] = []
+        row = 0
+        for seq, _ in step.verify:
+            n = seq.num_spec_tokens + 1
+            mask = masks.get(seq.req_id)
+            if mask is not None:
+                parts.append(mask)
+                rows.extend(range(row, row + n))
+            row += n
+        if not parts:
+            return logits
+        bitmask = torch.cat(parts).to(logits.device)  # [rows, W]
+        return apply_token_bitmask(logits, bitmask, torch.tensor(rows, device=logits.device))
+
+
+def logprob_entries(
+    logits: torch.Tensor, tokens: list[int], num_top: int
+) -> list[dict[int, float]]:
+    """Per emitted token, {token id: logprob} of the token and the top ``num_top`` tokens
+    of the model's distribution at its row. logits: [len(tokens), V] raw logits."""
+    token_t = torch.tensor(tokens, device=logits.device)
+    chosen, top_ids, top_values = top_logprobs(logits, token_t, max(num_top, 1))
+    entries = []
+    for i, token in enumerate(tokens):
+        entry = dict(
+            zip(top_ids[i, :num_top].tolist(), top_values[i, :num_top].tolist(), strict=True)
+        )
+        entry[token] = float(chosen[i])
+        entries.append(entry)
+    return entries
 
 
 def build_proposer(config: EngineConfig, runner: ModelRunner) -> Proposer:

@@ -22,10 +22,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuron_runtime.structured_output.bitmask import BitmaskRow
 from neuron_runtime.structured_output.compiler import CompileJob, GrammarCompiler
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -85,6 +88,44 @@ class StructuredOutputManager:
         self._wait_for_fill()
         state.num_consumed += 1
         return bool(state.matcher.consume_token(token_id))
+
+    def valid_draft_length(self, req_id: str, draft: list[int]) -> int:
+        """How many leading tokens of a speculative ``draft`` the request's grammar accepts
+        after its output so far (all of them when unconstrained); the matcher is unchanged."""
+        state = self.states.get(req_id)
+        if state is None:
+            return len(draft)
+        self._wait_for_fill()
+        if state.matcher is None:
+            return 0
+        return int(state.matcher.validate_tokens(draft))
+
+    def draft_bitmasks(self, drafts: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Bitmask rows for verifying speculative drafts: for each constrained request in
+        ``drafts`` (req_id -> k draft tokens the grammar accepts, see ``valid_draft_length``),
+        [k + 1, ceil(V / 32)] int32 whose row i allows what may follow the output plus the
+        first i drafts. Computed now on the calling thread; each matcher advances through its
+        draft and rolls back, so it ends where it began."""
+        import llguidance
+        import llguidance.torch
+
+        constrained = [(r, d) for r, d in drafts.items() if r in self.states]
+        if not constrained:
+            return {}
+        self._wait_for_fill()
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=1)
+        num_rows = sum(len(d) + 1 for _, d in constrained)
+        bitmask = llguidance.torch.allocate_token_bitmask(num_rows, self.compiler.vocab_size)
+        first, jobs, rows = 0, [], {}
+        for req_id, draft in constrained:
+            jobs.append((self.states[req_id].matcher, first, list(draft)))
+            rows[req_id] = bitmask[first : first + len(draft) + 1]
+            first += len(draft) + 1
+        llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(
+            self._executor, jobs, bitmask
+        )
+        return rows
 
     def bitmask(self, req_ids: list[str]) -> dict[str, BitmaskRow]:
         """The allowed tokens of each constrained request among ``req_ids`` (the requests
