@@ -130,6 +130,18 @@ class TracingArgs(BaseModel):
     export_interval_s: float = Field(1.0, gt=0)
 
 
+class ProfilerArgs(BaseModel):
+    """``POST /start_profile`` and ``/stop_profile`` (app/profiling.py, docs/tracing.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Traces go here on each replica's node; unset: $NEURON_SERVE_PROFILER_DIR, else
+    # /tmp/neuron-serve/profiles.
+    output_dir: str | None = Field(None, min_length=1)
+    row_limit: int = Field(20, ge=1)  # ops in the summary table
+    timeout_s: float = Field(120.0, gt=0)  # for every replica's answer
+
+
 class AccuracyArgs(BaseModel):
     """Online validation (neuron_runtime/accuracy/online.py, docs/accuracy.md): this share of
     requests has its prompt logits re-checked against transformers by the prefill or
@@ -192,6 +204,7 @@ class BuildArgs(BaseModel):
     disaggregation: DisaggregationArgs = Field(default_factory=DisaggregationArgs)
     multimodal: MultimodalArgs = Field(default_factory=MultimodalArgs)
     tracing: TracingArgs = Field(default_factory=TracingArgs)
+    profiler: ProfilerArgs = Field(default_factory=ProfilerArgs)
     accuracy: AccuracyArgs = Field(default_factory=AccuracyArgs)
 
     model: str = "smollm2-135m-instruct"
@@ -446,6 +459,7 @@ def build_openai_app(
         "max_migrations": args.max_migrations,
         "image_limits": args.multimodal.image_limits(),
         "tracing": args.tracing.model_dump(),
+        "profiler": args.profiler.model_dump(),
     }
     return (
         as_deployment(OpenAIIngress).options(**(ingress_options or {})).bind(llm, embedder, config)

@@ -35,6 +35,7 @@ from app.images import (
 )
 from app.metrics import RequestTimer, ServingMetrics
 from app.middleware import EdgeMiddleware
+from app.profiling import ProfileControl, ProfilerConfig
 from app.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -86,6 +87,8 @@ class IngressConfig:
     grammar_timeout_s: float = 10.0
     # TracingConfig fields (neuron_runtime/tracing.py); empty: tracing off.
     tracing: dict[str, Any] = field(default_factory=dict)
+    # ProfilerConfig fields (app/profiling.py): where /start_profile's traces go.
+    profiler: dict[str, Any] = field(default_factory=dict)
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0.25})
@@ -128,6 +131,7 @@ class OpenAIIngress:
             timeout_s=self.config.grammar_timeout_s,
         )
         self.model_type = str(engine_config.model.text_config.get("model_type", ""))
+        self.profiles = ProfileControl(ProfilerConfig(**self.config.profiler))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_fastapi(self)
@@ -772,6 +776,14 @@ def build_fastapi(ingress: OpenAIIngress) -> FastAPI:
     @api.get("/health")
     async def health() -> Response:
         return await ingress.health()
+
+    @api.post("/start_profile")
+    async def start_profile() -> dict[str, Any]:
+        return await ingress.profiles.start()
+
+    @api.post("/stop_profile")
+    async def stop_profile() -> dict[str, Any]:
+        return await ingress.profiles.stop()
 
     @api.get("/metrics")
     async def metrics() -> Response:

@@ -16,6 +16,7 @@ from ray.serve.exceptions import RayServeException
 
 import deployments.parallel_ranks  # noqa: F401  (distributed_executor_backend "ray")
 from deployments import ray_metrics
+from deployments.profiling import ProfiledReplica
 from deployments.protocol import ChannelRequest, ImagePart, SeqDelta, StepOutput
 from deployments.step_channel import StepPublisher
 from neuron_runtime import AsyncEngine, EngineArgs, tracing
@@ -33,7 +34,7 @@ def replica_num_threads() -> int | None:
     return max(1, math.ceil(round(cpus, 4)))
 
 
-class EngineReplica:
+class EngineReplica(ProfiledReplica):
     """Base of LLMServer, PrefillServer and DecodeServer; tests may pass a fake ``engine_cls``."""
 
     trace_role = "engine"  # names its spans and its process in traces
@@ -57,6 +58,7 @@ class EngineReplica:
             args = dataclasses.replace(args, num_threads=replica_num_threads())
         self.engine = engine_cls.from_engine_args(args)
         self.block_size = args.block_size
+        self.profile_backend = args.device
         self.stall_timeout_s = stall_timeout_s
         try:
             context = serve.get_replica_context()

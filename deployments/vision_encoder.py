@@ -22,6 +22,7 @@ import torch
 from ray import ObjectRef, serve
 from ray.serve.exceptions import RayServeException
 
+from deployments.profiling import ProfiledReplica
 from deployments.protocol import EncodeRequest, EncodeResult
 from neuron_runtime import tracing
 from neuron_runtime.model_store import resolve_model
@@ -62,7 +63,7 @@ class EmbeddingCache:
     health_check_period_s=5,
     health_check_timeout_s=10,
 )
-class VisionEncoderServer:
+class VisionEncoderServer(ProfiledReplica):
     def __init__(
         self,
         model: str,
@@ -77,6 +78,7 @@ class VisionEncoderServer:
         self.encoder = VisionEncoder.from_pretrained(resolve_model(model))
         self.cache = EmbeddingCache(cache_mib << 20)
         self.max_pixels = max_pixels
+        self.profile_backend = self.encoder.device.type
         batch: Any = self._encode_batch  # serve.batch adds setters its type does not declare
         batch.set_max_batch_size(max_batch_size)
         batch.set_batch_wait_timeout_s(batch_wait_timeout_s)

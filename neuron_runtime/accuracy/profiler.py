@@ -41,12 +41,19 @@ class TorchProfiler:
         self._profile: Any = None
 
     def start(self) -> None:
+        from torch._C._profiler import _ExperimentalConfig
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU]
         if self.backend == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        self._profile = profile(activities=activities, record_shapes=True)
+        # Every thread of the process: a served engine steps on its own loop thread, not on
+        # the thread that starts the profile (which alone is recorded otherwise).
+        self._profile = profile(
+            activities=activities,
+            record_shapes=True,
+            experimental_config=_ExperimentalConfig(profile_all_threads=True),
+        )
         self._profile.__enter__()
 
     def stop(self) -> ProfileResult:
