@@ -79,7 +79,10 @@ class EngineReplica(ProfiledReplica):
             ).attach(self.engine.engine)
 
     def stats(self) -> dict[str, Any]:
-        return {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}
+        stats = {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}
+        if self.online_validation is not None:
+            stats["online_validation"] = dataclasses.asdict(self.online_validation.stats())
+        return stats
 
     async def channel(self, request: ChannelRequest) -> AsyncIterator[list[tuple[str, StepOutput]]]:
         """A downstream's step channel: its requests' steps after their first, one message

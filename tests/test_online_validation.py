@@ -172,6 +172,32 @@ def test_checks_pass_on_the_default_model_and_fail_with_a_perturbed_layer(
     }
 
 
+def test_the_prefill_role_is_checked_before_its_handoff(engine):
+    checks = []
+    validator = OnlineValidator(
+        OnlineValidationConfig(sample_rate=1.0), on_check=checks.append
+    ).attach(engine)
+    prompt = engine.tokenizer.encode("The old lighthouse keeper climbed the spiral stairs")
+    try:
+        engine.add_request(
+            "prefill-1", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4), export_kv=True
+        )
+        final = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                final = out
+        assert final.kv_handoff is not None
+        assert engine.release_kv(final.kv_handoff.handoff_id)
+        assert validator.wait_idle(60)
+    finally:
+        validator.close()
+        engine.online_validation = None
+    (check,) = checks
+    assert check.request_id == "prefill-1" and check.passed
+    assert check.num_prompt_tokens == len(prompt)
+    assert engine.stats().num_kv_blocks_held == 0
+
+
 def test_an_aborted_or_unsampled_request_leaves_no_tap(engine):
     validator = OnlineValidator(OnlineValidationConfig(sample_rate=1.0))
     engine.online_validation = validator  # no worker: nothing may reach the queue
@@ -245,8 +271,19 @@ def test_a_colocated_app_exports_its_checks(serve_cluster, tmp_path_factory, def
             time.sleep(1.0)
         assert got["checks"] == [1.0] and got["errors"] == [1.0]
         assert got["failures"] in ([], [0.0])  # a counter appears once it has counted
+        # The one error observed lies within float32's bound (1e-3 + 1e-4 x max|logit|; the
+        # tiny model's logits stay under ~10).
+        name = "ray_neuron_online_validation_max_abs_error_bucket"
+        buckets = {labels["le"]: v for labels, v in samples(text, name, **ours)}
+        assert buckets["0.001"] == 1.0, buckets
         handle = serve.get_deployment_handle("LLMServer", app_name=APP)
         stats = handle.stats.remote().result(timeout_s=30)
         assert not busy_engines([stats])
+        assert stats["online_validation"] == {
+            "checks": 1,
+            "failures": 0,
+            "dropped": 0,
+            "pending": 0,
+        }
     finally:
         serve.delete(APP)
