@@ -9,10 +9,12 @@ and ``w2_weight`` [E_local, H, I_local]. The router (``gate``) is replicated.
 - Tensor parallel: every rank holds every expert's slice of the intermediate size; the partial
   outputs are summed with an all-reduce (as the dense MLP's down_proj).
 - Expert parallel: each rank holds E / ep whole experts. The activations are the same on every
-  rank (attention is tensor parallel), so each rank routes its own share of the tokens, sends
-  each (token, expert) pair to the expert's rank with an all-to-all, runs its experts on what
-  it received, sends the results back with a second all-to-all, adds them to its tokens and
-  all-gathers the token shares.
+  rank of a TP group (attention is tensor parallel), so each rank routes its own share of the
+  tokens, sends each (token, expert) pair to the expert's rank with an all-to-all, runs its
+  experts on what it received, sends the results back with a second all-to-all, adds them to
+  its tokens and all-gathers the token shares over the TP group. Under data parallelism the
+  EP group spans every replica's ranks (DP * TP), whose tokens differ: the same two
+  all-to-alls carry each replica's pairs to whichever rank holds the expert.
 
 Routing is softmax over the experts, the top-k kept, renormalized to sum 1 when the model says
 so (Mixtral always; Qwen3-MoE with ``norm_topk_prob``).
@@ -147,10 +149,11 @@ class FusedMoE(nn.Module):
     def _expert_parallel(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        ep = self.ep
+        ep, tp = self.ep, self.tp
         num_tokens, hidden = x.shape
-        sizes = [split_evenly(num_tokens, ep.size, r)[1] for r in range(ep.size)]
-        first, mine = split_evenly(num_tokens, ep.size, ep.rank)
+        # This TP group's tokens, a share per TP rank (every token with TP=1).
+        sizes = [split_evenly(num_tokens, tp.size, r)[1] for r in range(tp.size)]
+        first, mine = split_evenly(num_tokens, tp.size, tp.rank)
         k = ids.shape[1]
         pair_ids = ids[first : first + mine].flatten()  # [mine * k] this rank's pairs
         pair_weights = weights[first : first + mine].flatten()
@@ -174,4 +177,4 @@ class FusedMoE(nn.Module):
         back = ep.all_to_all(done, recv_counts, send_counts)  # [mine * k, H], in `order`
         out = torch.zeros(mine, hidden, dtype=x.dtype, device=x.device)
         out.index_add_(0, order // k, back)
-        return ep.all_gather(out, dim=0, sizes=sizes)
+        return tp.all_gather(out, dim=0, sizes=sizes) if tp.size > 1 else out

@@ -27,7 +27,7 @@ def check_shardable(model: ModelConfig, parallel: ParallelConfig) -> None:
     if parallel.data_parallel_size > 1:
         raise ValueError(
             f"data_parallel_size {parallel.data_parallel_size}: an engine is one data-parallel "
-            "rank; run that many engine replicas (num_replicas of the deployment)"
+            "rank; the Serve app (app.builder) runs that many engine replicas"
         )
     if parallel.enable_expert_parallel and arch not in MOE:
         raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model, not {arch}")

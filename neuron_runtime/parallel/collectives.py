@@ -67,15 +67,15 @@ class Communicator:
 
 
 class TorchCommunicator(Communicator):
-    """A ``torch.distributed`` group (``ranks`` of the world) on ``backend``."""
+    """A ``torch.distributed`` group (``ranks`` of the world) on ``backend``; made by
+    ``new_communicator``."""
 
-    def __init__(self, ranks: list[int], backend: str) -> None:
+    def __init__(self, ranks: list[int], group: Any, cpu_group: Any) -> None:
         self.ranks = ranks
         self.size = len(ranks)
         self.rank = ranks.index(dist.get_rank())
-        self.group = dist.new_group(ranks, backend=backend)
-        # Objects travel on CPU tensors: a gloo group beside a device group.
-        self.cpu_group = self.group if backend == "gloo" else dist.new_group(ranks, "gloo")
+        self.group = group
+        self.cpu_group = cpu_group
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
@@ -129,6 +129,17 @@ class TorchCommunicator(Communicator):
 
     def barrier(self) -> None:
         dist.barrier(group=self.cpu_group)
+
+
+def new_communicator(ranks: list[int], backend: str) -> TorchCommunicator | None:
+    """The group of ``ranks``; None on the other ranks. Creating a group is collective: every
+    rank of the world calls this for every group, in the same order."""
+    group = dist.new_group(ranks, backend=backend)
+    # Objects travel on CPU tensors: a gloo group beside a device group.
+    cpu_group = group if backend == "gloo" else dist.new_group(ranks, backend="gloo")
+    if dist.get_rank() not in ranks:
+        return None
+    return TorchCommunicator(ranks, group, cpu_group)
 
 
 def init_world(

@@ -14,7 +14,7 @@ from typing import Protocol, cast
 from torch import nn
 
 from neuron_runtime.parallel.layers import ShardedLinear, Slice
-from neuron_runtime.parallel.state import tp_group
+from neuron_runtime.parallel.state import parallel_state
 
 # A checkpoint tensor this rank needs none of (an expert another rank holds).
 SKIP: Slice = (0, 0, 0)
@@ -25,10 +25,11 @@ class Sliced(Protocol):
 
 
 def checkpoint_slicer(model: nn.Module) -> Callable[[str], Slice | None] | None:
-    """``name -> part this rank reads`` for a model built under a TP group of several ranks;
-    None (read everything) otherwise."""
+    """``name -> part this rank reads`` for a model built under a TP or EP group of several
+    ranks; None (read everything) otherwise."""
     target_of = getattr(model, "checkpoint_target", None)
-    if tp_group().size == 1 or target_of is None:
+    state = parallel_state()
+    if (state.tp.size == 1 and state.ep.size == 1) or target_of is None:
         return None
 
     def rank_slice(name: str) -> Slice | None:

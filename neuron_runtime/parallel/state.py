@@ -2,8 +2,10 @@
 
 Ranks are laid out data-parallel major: rank = dp_rank * tp + tp_rank, so the ranks of one
 replica are neighbours (on Trainium, neighbouring NeuronCores). A TP group is one replica's
-ranks; a DP group is the ranks with the same tp_rank in every replica; the EP group is the
-TP group (with ``enable_expert_parallel`` a replica's experts are spread over its own ranks).
+ranks; a DP group is the ranks with the same tp_rank in every replica. With
+``enable_expert_parallel`` the EP group is every rank (DP * TP): the experts are spread over
+all of them, each replica's tokens travel to their experts' ranks and back (layers/moe.py);
+with one replica that is its TP group.
 
 Layers read the groups in effect when they are built (``tp_group()``) and keep them, as the
 model classes take only the HF config. The groups are in effect only while a rank builds its
@@ -18,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from neuron_runtime.config import ParallelConfig
-from neuron_runtime.parallel.collectives import Communicator, TorchCommunicator
+from neuron_runtime.parallel.collectives import Communicator, new_communicator
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,16 @@ class ParallelState:
     tp: Communicator = field(default_factory=Communicator)
     dp: Communicator = field(default_factory=Communicator)
     expert_parallel: bool = False
+    # Every rank of every replica, when experts spread over more than one replica.
+    world: Communicator | None = None
 
     @property
     def ep(self) -> Communicator:
-        """The group the experts are spread over: the TP group under expert parallelism."""
-        return self.tp if self.expert_parallel else Communicator()
+        """The group the experts are spread over under expert parallelism: every rank (the
+        TP group with one replica); a group of one otherwise."""
+        if not self.expert_parallel:
+            return Communicator()
+        return self.world or self.tp
 
 
 _STATE = ParallelState()
@@ -88,19 +95,21 @@ def build_parallel_state(config: ParallelConfig, rank: int, backend: str) -> Par
     tp: Communicator | None = None
     dp: Communicator | None = None
     for ranks in layout.tp_groups():
-        group = TorchCommunicator(ranks, backend)
-        tp = group if rank in ranks else tp
+        tp = new_communicator(ranks, backend) or tp
     for ranks in layout.dp_groups():
         if len(ranks) > 1:
-            group = TorchCommunicator(ranks, backend)
-            dp = group if rank in ranks else dp
+            dp = new_communicator(ranks, backend) or dp
     assert tp is not None
+    world = None
+    if config.enable_expert_parallel and layout.data_parallel_size > 1:
+        world = new_communicator(list(range(layout.world_size)), backend)
     return ParallelState(
         rank=rank,
         world_size=layout.world_size,
         tp=tp,
         dp=dp or Communicator(),
         expert_parallel=config.enable_expert_parallel,
+        world=world,
     )
 
 
