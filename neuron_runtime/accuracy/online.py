@@ -10,15 +10,20 @@ check is dropped and counted, never waited for.
 
 The thread runs on torch's intra-op threads, which are the process's (``torch.set_num_threads``
 from any thread resizes them for all): an engine replica on the CPU backend keeps torch at one
-thread, its fused kernels having their own pool, so the reference takes one core at most.
-Requests with images, continued from a KV handoff, or whose prompt logits come from a
-recomputation are not sampled (their prompt's last position is not computed here, or needs
-the pixels too).
+thread, its fused kernels having their own pool, so the reference takes one core at most, and
+at the lowest CPU priority (a per-thread nice value on Linux): it runs on what the engine
+leaves idle.
+
+Not sampled: requests with images (the reference would need the pixels too) and requests that
+go on after tokens produced elsewhere (a decode replica's KV handoff, a migrated request): no
+engine there computes the logits at the prompt's last position.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import random
 import threading
@@ -210,6 +215,7 @@ class OnlineValidator:
         return reference
 
     def _run(self, reference: Any) -> None:
+        _lower_thread_priority()
         while True:
             item = self._queue.get()
             try:
@@ -267,3 +273,11 @@ class OnlineValidator:
             )
         if self.on_check is not None:
             self.on_check(check)
+
+
+def _lower_thread_priority() -> None:
+    """The calling thread at the lowest CPU priority (Linux keeps a nice value per thread):
+    the checks take the cores the engine leaves idle, not the engine's share."""
+    # Not Linux, or not allowed: the default priority.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
