@@ -92,6 +92,57 @@ def _wait_idle() -> dict[str, dict]:
         time.sleep(0.3)
 
 
+def _pd_config(args: dict, deployments: list[dict]) -> dict:
+    base = {"mode": "disaggregated", "max_model_len": 256, "embedding_model": None}
+    app = {"name": "pd", "import_path": "app.builder:build_app", "args": {**base, **args}}
+    return {"applications": [{**app, "deployments": deployments}]}
+
+
+@pytest.mark.parametrize(
+    ("args", "deployments", "message"),
+    [
+        (
+            {"decode": {"engine_args": {"tensor_parallel_size": 2}}},
+            [],
+            "decode tensor_parallel_size 2 needs disaggregation.kv_transport 'object_store'",
+        ),
+        (
+            {"prefill": {"engine_args": {"tensor_parallel_size": 4}}},
+            [],
+            "prefill.engine_args: model 'smollm2-135m-instruct': tensor_parallel_size 4 cannot",
+        ),
+        (
+            {"mode": "colocated", "decode": {"engine_args": {"tensor_parallel_size": 2}}},
+            [],
+            "decode.engine_args needs mode 'disaggregated'",
+        ),
+        (
+            {
+                "decode": {"engine_args": {"tensor_parallel_size": 2}},
+                "disaggregation": {"kv_transport": "object_store"},
+            },
+            [{"name": "DecodeServer", "ray_actor_options": {"num_cpus": 1}}],
+            "'DecodeServer': with tensor_parallel_size 2 and its ray_actor_options set here, set "
+            "placement_group_bundles too",
+        ),
+        (
+            {
+                "decode": {"engine_args": {"tensor_parallel_size": 2}},
+                "disaggregation": {"kv_transport": "object_store"},
+            },
+            [{"name": "DecodeServer", "placement_group_bundles": [{"CPU": 1}]}],
+            r"'DecodeServer': tensor_parallel_size 2 needs 2 placement_group_bundles \(one per "
+            r"rank\), got 1",
+        ),
+    ],
+)
+def test_per_role_settings_the_app_cannot_take_are_refused_at_build(args, deployments, message):
+    from app.config_check import check_config
+
+    with pytest.raises(ValueError, match=message):
+        check_config(_pd_config(args, deployments))
+
+
 def test_tp2_decode_tp1_prefill_answers_like_the_offline_tp1_engine(app_url, offline):
     client = _client(app_url)
     ranks = [
