@@ -199,6 +199,8 @@ class LLMEngine:
             if mismatch is not None:
                 raise KVTransferError(f"KV blocks of another cache layout ({mismatch})")
             request.kv_import = kv  # step() starts the read once the scheduler admits it
+        if handoff.draft_hidden is not None and kv is not None and self.spec is not None:
+            self.spec.import_state(request, handoff.draft_hidden)  # EAGLE's first drafts
         request.all_token_ids.extend(outputs)
         seed = request.params.seed
         if seed is not None and not request.params.greedy:
@@ -215,6 +217,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        if self.spec is not None:  # handed-off requests draft in their first step here
+            self.spec.propose_arrivals(scheduled, self.scheduler.requests)
         arriving, failed = self._read_kv(scheduled)
         runnable = scheduled
         if arriving or failed:
@@ -284,6 +288,7 @@ class LLMEngine:
                 handoff_id=handoff_id,
                 layout=self.kv_layout,
                 block_ids=tuple(block_ids),
+                draft_hidden=None if self.spec is None else self.spec.export_state(request.req_id),
             )
             self.scheduler.finish(request.req_id, RequestStatus.FINISHED_HANDED_OFF)
             self.num_kv_exports += 1
@@ -378,6 +383,8 @@ class LLMEngine:
         for child_id in self.output_processor.child_ids(request_id):
             self.scheduler.finish(child_id, RequestStatus.FINISHED_ABORTED)
             self.runner.release(child_id)
+            if self.spec is not None:
+                self.spec.release(child_id)
             read = self._reads.pop(child_id, None)
             if read is not None:
                 self._orphan_reads.append(read)

@@ -210,6 +210,23 @@ class KVBlockSource(ABC):
         )
 
 
+@dataclass
+class DraftHidden:
+    """What an EAGLE head drafts from after a handed-off prompt: the target's hidden states at
+    prompt positions ``start`` .. ``num_tokens - 1`` (``start``: the first position the prefill
+    engine computed, after its prefix-cache hit). One row per position, float32:
+
+        hidden: [num_tokens - start, F]   F = hidden size (EAGLE-3: three layers' inputs, 3x)
+    """
+
+    start: int
+    hidden: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.hidden.nbytes)
+
+
 # What a decode engine takes a handed-off prompt's KV from: the request carries it until the
 # scheduler admits it; the engine then starts a block read itself, the runner writes a payload.
 KVImport = KVPayload | KVBlockSource
@@ -233,6 +250,9 @@ class KVHandoff:
     layout: KVLayout | None = None
     block_ids: tuple[int, ...] = ()
     ticket: Any = None  # the transport's plain-data ticket (deployments/kv_transport.py)
+    # The prefill engine's EAGLE proposer state (it has an EAGLE head): the decode engine's
+    # head drafts from it in the request's first step there. None for other proposers.
+    draft_hidden: DraftHidden | None = None
     # Decode side only, never sent: what the engine takes the prompt's KV from.
     kv: KVImport | None = None
 

@@ -33,8 +33,10 @@ import torch
 
 from neuron_runtime.config import EngineConfig
 from neuron_runtime.kv_cache import KVCacheManager
+from neuron_runtime.kv_transfer import DraftHidden
 from neuron_runtime.request import Request, RequestStatus
 from neuron_runtime.sampler import SamplingBatch, top_logprobs
+from neuron_runtime.scheduler import SchedulerOutput
 from neuron_runtime.spec_decode.metrics import SpecDecodeCounters, SpecDecodeStats
 from neuron_runtime.spec_decode.ngram import NgramProposer
 from neuron_runtime.spec_decode.rejection import accept_greedy, rejection_sample, target_probs
@@ -65,6 +67,20 @@ class Proposer(Protocol):
         ...
 
     def release(self, req_id: str) -> None: ...
+
+    def export_state(self, req_id: str) -> DraftHidden | None:
+        """Prefill role: what a decode engine's proposer needs to draft after a handed-off
+        prompt (EAGLE: the target's hidden states), or None; forgotten here."""
+        ...
+
+    def import_state(self, request: Request, state: DraftHidden) -> None:
+        """Decode role: takes what ``export_state`` gave for a handed-off request."""
+        ...
+
+    def can_draft_on_arrival(self, request: Request) -> bool:
+        """Whether it can draft for a handed-off request before the request's first target
+        step here, while the prompt's KV may still be arriving."""
+        ...
 
 
 def speculates(request: Request) -> bool:
@@ -100,12 +116,14 @@ class SpecDecoder:
         self.config = spec
         self.k = spec.num_speculative_tokens
         self.max_model_len = config.model.max_model_len
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.runner = runner
         self.kv = kv
         self.structured = structured  # grammar state of constrained requests
         self.proposer = build_proposer(config, runner)
         self.counters = SpecDecodeCounters(self.k)
         self._acceptance: dict[str, _Acceptance] = {}
+        self._seen: set[str] = set()  # requests the proposer may hold state of
         # req_id -> logprobs entries of the drafts the last verify accepted (``take_logprobs``)
         self._draft_logprobs: dict[str, list[dict[int, float]]] = {}
 
@@ -115,30 +133,27 @@ class SpecDecoder:
     def propose(self, running: list[Request]) -> None:
         """Sets ``spec_token_ids`` of the running requests that decode next step."""
         live = {r.req_id for r in running}
-        for req_id in [r for r in self._acceptance if r not in live]:
-            del self._acceptance[req_id]
+        for req_id in (self._seen | set(self._acceptance)) - live:
+            self._acceptance.pop(req_id, None)
             self.proposer.release(req_id)
+        self._seen = live
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
         requests, counts = [], []
         for request in running:
             if not speculates(request):
-                self.proposer.release(request.req_id)  # it never drafts: keep no state
+                if not request.export_kv:  # a prefill-role request's state goes with it
+                    self.proposer.release(request.req_id)  # it never drafts: keep no state
                 continue
             if (
                 request.status != RequestStatus.RUNNING
                 or request.num_computed_tokens != request.num_tokens - 1
+                or request.spec_token_ids  # drafted, not verified yet (it did not run)
                 or self._backing_off(request.req_id)
             ):
                 continue
-            max_tokens = request.max_tokens or self.max_model_len
-            # The verify step emits up to k + 1 tokens and feeds positions up to num_tokens + k - 1.
-            k = min(
-                self.k,
-                max_tokens - request.num_output_tokens - 1,
-                self.max_model_len - request.num_tokens,
-            )
+            k = self._num_drafts(request)
             if k < 1:
                 continue
             if self.proposer.needs_slots and not self.kv.allocate_slots(request, k + 1):
@@ -157,6 +172,69 @@ class SpecDecoder:
             request.spec_token_ids = draft
             if self.proposer.needs_slots and len(draft) < k:
                 self.kv.trim(request, request.num_tokens + len(draft))
+
+    def _num_drafts(self, request: Request) -> int:
+        max_tokens = request.max_tokens or self.max_model_len
+        # The verify step emits up to k + 1 tokens and feeds positions up to num_tokens + k - 1.
+        return min(
+            self.k,
+            max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens,
+        )
+
+    def export_state(self, req_id: str) -> DraftHidden | None:
+        """Prefill role: the proposer's state a handed-off request takes along (KVHandoff)."""
+        return self.proposer.export_state(req_id)
+
+    def import_state(self, request: Request, state: DraftHidden) -> None:
+        self.proposer.import_state(request, state)
+
+    def release(self, req_id: str) -> None:
+        """Forgets an aborted request (one that may never have run here)."""
+        self._acceptance.pop(req_id, None)
+        self.proposer.release(req_id)
+
+    def propose_arrivals(self, scheduled: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Decode role: requests admitted in this step after a KV handoff draft already in it
+        (their first slice here becomes a verify slice), where the proposer can draft before
+        the prompt's KV is in (n-gram, a separate draft model, EAGLE from the handed-off
+        hidden states) and the step's token budget has room."""
+        limit = self.config.disable_by_batch_size
+        running = sum(1 for r in requests.values() if r.status == RequestStatus.RUNNING)
+        if limit is not None and running > limit:
+            return
+        room = self.max_num_batched_tokens - scheduled.num_batched_tokens
+        arrivals, counts = [], []
+        for seq in scheduled.seqs:
+            request = requests[seq.req_id]
+            if seq.kv_import is None or len(seq.token_ids) != 1 or seq.num_spec_tokens:
+                continue
+            if not speculates(request) or request.params.structured_outputs is not None:
+                continue  # (a grammar's draft rows are masked in ``propose``)
+            if not self.proposer.can_draft_on_arrival(request):
+                continue
+            k = min(self._num_drafts(request), room)
+            if k < 1 or not self.kv.allocate_slots(request, k + 1):
+                continue
+            room -= k
+            arrivals.append((seq, request))
+            counts.append(k)
+        if not arrivals:
+            return
+        with torch.inference_mode():
+            drafts = self.proposer.propose([r for _, r in arrivals], counts)
+        for (seq, request), k, draft in zip(arrivals, counts, drafts, strict=True):
+            draft = list(draft[:k])
+            self._acceptance.setdefault(request.req_id, _Acceptance())
+            if len(draft) < k:
+                self.kv.trim(request, request.num_tokens + len(draft))
+            if not draft:
+                continue
+            request.spec_token_ids = draft
+            seq.token_ids = seq.token_ids + draft
+            seq.num_spec_tokens = len(draft)
+            seq.block_table = list(request.block_table)
+            scheduled.num_batched_tokens += len(draft)
 
     def _backing_off(self, req_id: str) -> bool:
         state = self._acceptance.setdefault(req_id, _Acceptance())
@@ -185,6 +263,7 @@ class SpecDecoder:
         """Verifies the step's speculative slices (filling ``result``), then lets the proposer
         see the hidden states. hidden: [T, hidden] for every row of the step."""
         self._draft_logprobs = {}
+        self._seen.update(seq.req_id for seq in step.seqs)
         if step.verify:
             self._verify(step, hidden, result)
         self.proposer.observe(step, hidden, result)

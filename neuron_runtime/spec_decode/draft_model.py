@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from neuron_runtime.config import EngineConfig, ModelConfig
+from neuron_runtime.kv_transfer import DraftHidden
 from neuron_runtime.loader import load_hf_config, load_model
 from neuron_runtime.model_store import resolve_model
 from neuron_runtime.models.llama import LlamaModel
@@ -139,6 +140,17 @@ class DraftModelProposer:
 
     def observe(self, step: StepInputs, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         pass
+
+    def export_state(self, req_id: str) -> None:
+        return None  # a decode engine's draft computes its own KV of the prompt
+
+    def import_state(self, request: Request, state: DraftHidden) -> None:
+        pass
+
+    def can_draft_on_arrival(self, request: Request) -> bool:
+        # A separate draft catches up over the prompt in its own cache; the target's first
+        # layers (self-speculation) read the prompt's KV, which is still arriving.
+        return not self.shares_kv
 
     def release(self, req_id: str) -> None:
         self._fed_end.pop(req_id, None)

@@ -26,10 +26,12 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from neuron_runtime.config import EngineConfig
+from neuron_runtime.kv_transfer import DraftHidden, KVTransferError
 from neuron_runtime.layers.linear import Linear
 from neuron_runtime.layers.logits import LogitsHead
 from neuron_runtime.layers.norm import RMSNorm
@@ -202,6 +204,7 @@ class EagleProposer:
         spec = config.speculative
         assert spec is not None and spec.model is not None
         self.runner = runner
+        self.device = runner.device
         self.block_size = config.cache.block_size
         self.eagle3 = spec.method == "eagle3"
         head, cfg = load_head(
@@ -228,6 +231,8 @@ class EagleProposer:
             self._aux_ids = aux_layer_ids(cfg, len(layers))
             for i in sorted(set(self._aux_ids)):
                 layers[i].register_forward_pre_hook(partial(self._capture, i))
+        # Width of the target features the head reads per position.
+        self.feature_size = int(cfg["hidden_size"]) * (len(self._aux_ids) if self.eagle3 else 1)
 
     def _capture(self, layer_idx: int, module: nn.Module, args: tuple[Any, ...]) -> None:
         x, residual = args[0], args[1]
@@ -252,6 +257,41 @@ class EagleProposer:
                 self._pending[seq.req_id] = (start, rows)
             else:
                 self._pending[seq.req_id] = (seq.start_pos, rows)
+
+    def export_state(self, req_id: str) -> DraftHidden | None:
+        """Prefill role: the target's hidden states of a handed-off prompt (what ``observe``
+        kept of it), for the decode engine's head; forgotten here."""
+        self._head_end.pop(req_id, None)
+        pending = self._pending.pop(req_id, None)
+        if pending is None:
+            return None
+        start, rows = pending
+        return DraftHidden(start, rows.cpu().numpy())
+
+    def import_state(self, request: Request, state: DraftHidden) -> None:
+        """Decode role: a handed-off prompt's hidden states, as if this engine had computed
+        them; KVTransferError when they do not fit the prompt or this head."""
+        rows = state.hidden
+        num_prompt = request.num_prompt_tokens
+        if (
+            rows.dtype != np.float32
+            or rows.ndim != 2
+            or rows.shape[1] != self.feature_size
+            or not 0 <= state.start < num_prompt
+            or state.start + rows.shape[0] != num_prompt
+        ):
+            raise KVTransferError(
+                f"EAGLE hidden states {rows.dtype} {tuple(rows.shape)} from position "
+                f"{state.start} do not fit a {num_prompt}-token prompt and a head reading "
+                f"float32 [n, {self.feature_size}]"
+            )
+        self._pending[request.req_id] = (state.start, torch.tensor(rows, device=self.device))
+        self._head_end.pop(request.req_id, None)
+
+    def can_draft_on_arrival(self, request: Request) -> bool:
+        """Whether the head can draft before the request's first target step here: only from
+        handed-off hidden states."""
+        return request.req_id in self._pending
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
         seqs: list[ScheduledSeq] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from neuron_runtime.kv_transfer import DraftHidden
 from neuron_runtime.request import Request
 
 
@@ -44,6 +45,15 @@ class NgramProposer:
 
     def observe(self, step: object, hidden: object, result: object) -> None:
         pass
+
+    def export_state(self, req_id: str) -> None:
+        return None  # the tokens are all it needs
+
+    def import_state(self, request: Request, state: DraftHidden) -> None:
+        pass
+
+    def can_draft_on_arrival(self, request: Request) -> bool:
+        return True
 
     def release(self, req_id: str) -> None:
         pass
