@@ -8,16 +8,24 @@ raised from ``events()``; the caller turns them into an SSE error event.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.metrics import RequestTimer
 from app.request_trace import StreamTrace
 from app.text import SequenceText, TokenLogprobs
 from deployments.protocol import GenerateRequest, StepOutput
-from router.migration import MAX_MIGRATIONS, Migrating, resume_sampling
+from router.migration import (
+    MAX_MIGRATIONS,
+    Chained,
+    Migrating,
+    migrating_sequences,
+    resume_sampling,
+    sequence_sampling,
+)
 from router.streams import merge
 
 
@@ -38,8 +46,9 @@ class ChoiceEvent:
 class PromptStream:
     """A prompt's engine stream, its first step already received.
 
-    With ``request`` and ``reopen`` (the ingress's submit), a single-sequence request whose
-    replica is lost mid-stream is resumed on another one (router/migration.py).
+    With ``request`` and ``reopen`` (the ingress's submit), a request whose replica is lost
+    mid-stream is resumed on another one (router/migration.py); each of ``n > 1`` sequences
+    resumes on its own.
     """
 
     first: StepOutput
@@ -47,45 +56,69 @@ class PromptStream:
     request: GenerateRequest | None = None
     reopen: Callable[[GenerateRequest], Awaitable[PromptStream]] | None = None
     max_migrations: int = MAX_MIGRATIONS
+    resumed: list[Any] = field(default_factory=list)  # the resumed calls' ``rest``s
 
     async def steps(self) -> AsyncIterator[StepOutput]:
         request = self.request
-        if self.reopen is None or request is None or int(request.sampling.get("n") or 1) != 1:
-            async for step in _chain(self.first, self.rest):
+        if self.reopen is None or request is None:
+            async for step in Chained(self.first, self.rest):
                 yield step
             return
-        migrating = Migrating(
-            _chain(self.first, self.rest),
-            self._resume,
-            max_tokens=request.sampling.get("max_tokens"),
-            max_migrations=self.max_migrations,
-            cancel=lambda _: self.cancel(),
-        )
-        async for step in migrating:
-            yield step
+        n = int(request.sampling.get("n") or 1)
+        max_tokens = request.sampling.get("max_tokens")
+        steps: AsyncIterator[StepOutput]
+        if n == 1:
+            migrating = Migrating(
+                Chained(self.first, self.rest),
+                self._resume,
+                max_tokens=max_tokens,
+                max_migrations=self.max_migrations,
+            )
+            steps = migrating.steps()
+        else:
+            steps = migrating_sequences(
+                Chained(self.first, self.rest),
+                n,
+                self._resume_sequence,
+                max_tokens=max_tokens,
+                max_migrations=self.max_migrations,
+            )
+        async with contextlib.aclosing(steps):
+            async for step in steps:
+                yield step
 
     async def _resume(self, tokens: list[int], attempt: int) -> AsyncIterator[StepOutput]:
+        assert self.request is not None
+        request_id = f"{self.request.request_id}.m{attempt}"
+        return await self._reopen(request_id, self.request.sampling, tokens)
+
+    async def _resume_sequence(
+        self, index: int, tokens: list[int], attempt: int
+    ) -> AsyncIterator[StepOutput]:
+        assert self.request is not None
+        request_id = f"{self.request.request_id}#{index}.m{attempt}"
+        sampling = sequence_sampling(self.request.sampling, index)
+        return await self._reopen(request_id, sampling, tokens)
+
+    async def _reopen(
+        self, request_id: str, sampling: dict[str, Any], tokens: list[int]
+    ) -> AsyncIterator[StepOutput]:
         assert self.request is not None and self.reopen is not None
         request = dataclasses.replace(
             self.request,
-            request_id=f"{self.request.request_id}.m{attempt}",
-            sampling=resume_sampling(self.request.sampling),
+            request_id=request_id,
+            sampling=resume_sampling(sampling),
             resume_token_ids=tokens,
         )
         stream = await self.reopen(request)
-        self.rest = stream.rest
-        return _chain(stream.first, stream.rest)
+        self.resumed.append(stream.rest)
+        return Chained(stream.first, stream.rest)
 
     def cancel(self) -> None:
-        cancel = getattr(self.rest, "cancel", None)
-        if cancel is not None:
-            cancel()
-
-
-async def _chain(first: StepOutput, rest: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
-    yield first
-    async for step in rest:
-        yield step
+        for rest in (self.rest, *self.resumed):
+            cancel = getattr(rest, "cancel", None)
+            if cancel is not None:
+                cancel()
 
 
 class Generation:

@@ -23,7 +23,7 @@ from deployments.engine_replica import EngineReplica, image_inputs, to_step_outp
 from deployments.kv_transport import KVTransportConfig, make_transport
 from deployments.protocol import DecodeRequest, KVTransferInfo, StepOutput
 from neuron_runtime import RequestOutputKind, SamplingParams, tracing
-from neuron_runtime.kv_transfer import KVBlockSource, KVPayload
+from neuron_runtime.kv_transfer import KVBlockSource, KVHandoff, KVMetadata, KVPayload
 
 logger = logging.getLogger("ray.serve")
 
@@ -72,7 +72,7 @@ class DecodeServer(EngineReplica):
         kv, transfer = await self._receive(request)
         attributes = {"neuron_serve.replica": self.replica_id}
         trace = tracing.EngineTrace("decode", request.trace_context, attributes, start)
-        handoff = dataclasses.replace(request.handoff, kv=kv)
+        handoff = dataclasses.replace(self._handoff(request), kv=kv)
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         images = await image_inputs(request.images)
@@ -104,11 +104,20 @@ class DecodeServer(EngineReplica):
             if isinstance(kv, KVBlockSource):
                 kv.abandon()
 
+    def _handoff(self, request: DecodeRequest) -> KVHandoff:
+        """The request's handoff; a migrated request (router/migration.py) goes on after the
+        tokens it already produced: a handoff without KV, so the engine recomputes them."""
+        if request.handoff is not None:
+            return request.handoff
+        model = self.engine.engine.config.model
+        metadata = KVMetadata.describe(model, request.prompt_token_ids)
+        return KVHandoff(metadata, list(request.resume_token_ids))
+
     async def _receive(
         self, request: DecodeRequest
     ) -> tuple[KVPayload | KVBlockSource | None, KVTransferInfo]:
         handoff = request.handoff
-        if handoff.ticket is None:
+        if handoff is None or handoff.ticket is None:
             return None, KVTransferInfo("recompute", "import", 0, 0.0)
         start = time.perf_counter()
         try:

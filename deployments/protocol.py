@@ -142,17 +142,20 @@ class PrefillResult:
 class DecodeRequest:
     """Continue a prefilled request: its prompt and the prefill engine's handoff, unchanged.
 
-    A handoff without a ticket means: recompute the prompt on the decode replica.
+    A handoff without a ticket means: recompute the prompt on the decode replica. No handoff
+    at all: a migrated request (router/migration.py), recomputed with ``resume_token_ids``.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
-    handoff: KVHandoff
+    handoff: KVHandoff | None
     images: list[ImagePart] = field(default_factory=list)  # for a recompute of the prompt
     # W3C trace context (traceparent, tracestate) of the caller's span when the request is
     # traced (neuron_runtime/tracing.py); None otherwise.
     trace_context: dict[str, str] | None = None
+    # Without a handoff: the tokens already produced and streamed (as in GenerateRequest).
+    resume_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

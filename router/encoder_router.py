@@ -5,6 +5,11 @@ VisionEncoder replica that owns its hash (rendezvous hashing, ``RendezvousRouter
 repeated image, from this request or any other, reaches the replica whose cache holds it.
 What comes back is a ref to the features per image: the router hands refs on to the prefill
 replica and never holds the embeddings itself.
+
+An encode call whose replica is lost (it died mid-encode, or its process is gone) is sent
+again, up to ``encode_retries`` times: Serve drops a replica whose actor died from the
+candidates and passes over one that does not answer its probe, so rendezvous hashing over the
+replicas left sends the image to its next owner (the owner order of the others is unchanged).
 """
 
 from __future__ import annotations
@@ -15,11 +20,23 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.protocol import EncodeRequest, EncodeResult, ImagePart
 from neuron_runtime import tracing
+from router.migration import is_replica_lost
+
+# Encode calls sent again after their replica was lost, and the pause before each.
+ENCODE_RETRIES = 3
+ENCODE_RETRY_S = 0.5
 
 
 class EncoderRouter:
-    def __init__(self, encoder: DeploymentHandle) -> None:
+    def __init__(
+        self,
+        encoder: DeploymentHandle,
+        encode_retries: int = ENCODE_RETRIES,
+        retry_s: float = ENCODE_RETRY_S,
+    ) -> None:
         self.encoder = encoder
+        self.encode_retries = encode_retries
+        self.retry_s = retry_s
 
     async def encode(
         self, images: list[ImagePart], trace_context: dict[str, str] | None = None
@@ -46,15 +63,17 @@ class EncoderRouter:
             )
             for key in distinct
         }
-        responses = [
-            self.encoder.encode.remote(EncodeRequest(key, data, tracing.inject(spans[key])))
+        calls = [
+            asyncio.ensure_future(
+                self._encode(EncodeRequest(key, data, tracing.inject(spans[key])))
+            )
             for key, data in distinct.items()
         ]
         try:
-            results: list[EncodeResult] = await asyncio.gather(*responses)
+            results: list[EncodeResult] = await asyncio.gather(*calls)
         except BaseException as exc:
-            for response in responses:
-                response.cancel()
+            for call in calls:
+                call.cancel()
             for span in spans.values():
                 tracing.end(span, exc)
             raise
@@ -81,6 +100,21 @@ class EncoderRouter:
             for part in images
         ]
         return encoded, results
+
+    async def _encode(self, request: EncodeRequest) -> EncodeResult:
+        """One image's encode call, sent again while its replica is lost (see the module)."""
+        for attempt in range(self.encode_retries + 1):
+            response = self.encoder.encode.remote(request)
+            try:
+                return await response
+            except asyncio.CancelledError:
+                response.cancel()
+                raise
+            except Exception as exc:
+                if attempt == self.encode_retries or not is_replica_lost(exc):
+                    raise
+            await asyncio.sleep(self.retry_s)
+        raise AssertionError("unreachable")
 
     async def check_health(self) -> None:
         await self.encoder.check_health.remote()

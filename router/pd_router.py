@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, cast
 
 from ray import serve
@@ -37,14 +37,21 @@ from deployments.protocol import (
     DecodeRequest,
     GenerateRequest,
     PrefillResult,
-    SeqDelta,
     StepOutput,
 )
 from deployments.step_channel import StepPublisher
 from neuron_runtime import tracing
 from router.encoder_router import EncoderRouter
-from router.migration import MAX_MIGRATIONS, Migrating, is_replica_lost, raising, resume_sampling
-from router.streams import Followed, StepSubscriber, merge
+from router.migration import (
+    MAX_MIGRATIONS,
+    Migrating,
+    is_replica_lost,
+    merged,
+    raising,
+    resume_sampling,
+    sequence_sampling,
+)
+from router.streams import Followed, StepSubscriber
 
 logger = logging.getLogger("ray.serve")
 
@@ -53,12 +60,6 @@ STATS_TTL_S = 300.0
 
 # A replica that died or became unreachable mid-call; the request may be retried elsewhere.
 REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
-
-
-def child_sampling(sampling: dict[str, Any], index: int) -> dict[str, Any]:
-    """The i-th of n parallel samples as its own request (SamplingParams.child's rule)."""
-    seed = sampling.get("seed")
-    return {**sampling, "n": 1, "seed": None if seed is None else seed + index}
 
 
 @serve.deployment(name="PDRouter", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
@@ -120,66 +121,78 @@ class PDRouter:
         if n == 1:
             steps = self._pipeline(request)
         else:
-            children = [
-                self._pipeline(
+            children = {
+                i: self._pipeline(
                     GenerateRequest(
                         f"{request.request_id}#{i}",
                         request.prompt_token_ids,
-                        child_sampling(request.sampling, i),
+                        sequence_sampling(request.sampling, i),
                         request.images,
                         request.trace_context,
-                    ),
-                    index=i,
+                    )
                 )
                 for i in range(n)
-            ]
-            steps = _merged(children)
+            }
+            steps = merged(children)
         async with contextlib.aclosing(steps), tracing.ending(span):
             async for step in steps:
                 if encodes:
                     step.image_encodes, encodes = encodes, None
                 yield step
 
-    async def _pipeline(
-        self, request: GenerateRequest, index: int = 0
-    ) -> AsyncGenerator[StepOutput, None]:
-        result = await self._prefill(request)
-        self._note(result.step.stats)
-        yield _reindexed(result.step, index)
-        if result.handoff is None:
-            return  # the request ended on its first token
-        handoff = result.handoff
-        decode_request = DecodeRequest(
+    async def _pipeline(self, request: GenerateRequest) -> AsyncGenerator[StepOutput, None]:
+        """One sequence: prefill, then decode, migrating when a decode replica is lost.
+
+        A request that carries ``resume_token_ids`` resumes after them (its ingress migrated
+        it here when the router serving it was lost): it goes straight to a decode replica,
+        which recomputes prompt + those tokens, as a migrated decode does.
+        """
+        decode_request = None
+        tokens = list(request.resume_token_ids)
+        if not tokens:
+            result = await self._prefill(request)
+            self._note(result.step.stats)
+            yield result.step
+            if result.handoff is None:
+                return  # the request ended on its first token
+            decode_request = DecodeRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                # The prompt's logprobs came with the prefill output; decode does not redo them.
+                sampling=resume_sampling(request.sampling),
+                handoff=result.handoff,
+                images=request.images,
+                trace_context=request.trace_context,
+            )
+            tokens = [t for delta in result.step.seqs for t in delta.token_ids]
+            del result
+        # A decode replica lost mid-stream: the request resumes on another one, which
+        # recomputes prompt + the tokens passed on so far (no handoff, resume_token_ids).
+        resumable = DecodeRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            # The prompt's logprobs came with the prefill output; decode does not redo them.
             sampling=resume_sampling(request.sampling),
-            handoff=handoff,
+            handoff=None,
             images=request.images,
             trace_context=request.trace_context,
         )
-        first_tokens = [t for delta in result.step.seqs for t in delta.token_ids]
-        del result
-        # A decode replica lost mid-stream: the request resumes on another one, which
-        # recomputes prompt + the tokens passed on so far (a handoff without KV or ticket).
-        bare = dataclasses.replace(
-            handoff, ticket=None, kv=None, generator_state=None, block_ids=(), layout=None
-        )
-        del handoff
-        resumable = dataclasses.replace(decode_request, handoff=bare)
 
-        async def reopen(tokens: list[int], attempt: int) -> AsyncIterator[StepOutput]:
+        async def reopen(resume_tokens: list[int], attempt: int) -> AsyncIterator[StepOutput]:
+            suffix = f".m{attempt}" if attempt else ""
             resumed = dataclasses.replace(
                 resumable,
-                request_id=f"{request.request_id}.m{attempt}",
-                handoff=dataclasses.replace(bare, output_token_ids=tokens),
+                request_id=f"{request.request_id}{suffix}",
+                resume_token_ids=resume_tokens,
             )
             return await self._open_decode(resumed)
 
         self.num_kv_refs_held += 1
         try:
             try:
-                first_steps = await self._open_decode(decode_request)
+                if decode_request is None:
+                    first_steps = await reopen(tokens, 0)
+                else:
+                    first_steps = await self._open_decode(decode_request)
             except Exception as exc:
                 if not is_replica_lost(exc):
                     raise
@@ -193,11 +206,11 @@ class PDRouter:
                 max_tokens=request.sampling.get("max_tokens"),
                 max_migrations=self.max_migrations,
                 on_migrate=self._migrated,
-                tokens=first_tokens,
+                tokens=tokens,
             )
             async with contextlib.aclosing(migrating.steps()) as steps:
                 async for step in steps:
-                    yield _reindexed(step, index)
+                    yield step
         finally:
             self.num_kv_refs_held -= 1
 
@@ -286,25 +299,3 @@ class PDRouter:
         await asyncio.gather(*probes)
 
 
-async def _merged(
-    children: Sequence[AsyncIterator[StepOutput]],
-) -> AsyncGenerator[StepOutput, None]:
-    """The children's steps as they come; only the last child's final step is ``finished``
-    (the request's end, as for an engine's n > 1 request: each sequence's end is its finish
-    reason), which is where a downstream reading a step channel stops."""
-    remaining = len(children)
-    async with contextlib.aclosing(merge(children)) as merged:
-        async for _, step in merged:
-            if step.finished:
-                remaining -= 1
-                step.finished = remaining == 0
-            yield step
-
-
-def _reindexed(step: StepOutput, index: int) -> StepOutput:
-    if index:
-        step.seqs = [
-            SeqDelta(index, s.token_ids, s.logprobs, s.finish_reason, s.stop_reason)
-            for s in step.seqs
-        ]
-    return step

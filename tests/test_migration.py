@@ -1,10 +1,12 @@
 """Request migration (router/migration.py) without a cluster.
 
 The engine half: a request resumed after some of its tokens (a handoff with no KV, as the
-LLMServer and the decode replica get it) produces the tokens an unbroken run produces, with
-penalties counting the resumed tokens as output. The router half: ``Migrating`` over fake
-replica streams passes every token once, gives up after ``max_migrations`` with its own error,
-and leaves errors that are not a lost replica alone.
+LLMServer and the decode replica get it) produces the tokens an unbroken run produces, greedy
+or seeded, with penalties counting the resumed tokens as output. The router half: ``Migrating``
+over fake replica streams passes every token once, gives up after ``max_migrations`` with its
+own error, and leaves errors that are not a lost replica alone; colocated streams, n > 1 ones
+too, resume over real step channels; an encode whose replica died goes to the image's next
+owner in rendezvous order.
 """
 
 from __future__ import annotations
@@ -16,11 +18,21 @@ import torch
 from ray.exceptions import ActorDiedError
 
 from app.generation import PromptStream
-from deployments.protocol import ChannelRequest, GenerateRequest, SeqDelta, StepOutput
+from deployments.protocol import (
+    ChannelRequest,
+    EncodeRequest,
+    EncodeResult,
+    GenerateRequest,
+    ImagePart,
+    SeqDelta,
+    StepOutput,
+)
 from deployments.step_channel import StepPublisher
 from neuron_runtime import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from neuron_runtime.kv_transfer import KVHandoff, KVMetadata
+from router.encoder_router import EncoderRouter
 from router.migration import Migrating, MigrationFailed, is_replica_lost
+from router.policies import ReplicaLoad, rendezvous_rank
 from router.streams import ChannelLost, StepSubscriber
 
 PROMPT = [5, 17, 230, 99, 41, 8, 64]
@@ -166,6 +178,22 @@ def test_every_token_once_across_migrations() -> None:
     assert replicas.cancelled == 3  # every replica's stream was closed
 
 
+def test_a_mark_from_a_replica_that_migrates_on_its_own_is_kept() -> None:
+    """The ingress's Migrating over a PD router's stream passes the router's marks on."""
+
+    async def routed():  # noqa: ANN202
+        for i, token in enumerate(REFERENCE):
+            s = step([token], finished=i == len(REFERENCE) - 1)
+            s.migrated = i == 4  # the router resumed this stream on another decode replica
+            yield s
+
+    async def main() -> list[StepOutput]:
+        migrating = Migrating(routed(), Replicas([]).reopen, max_tokens=len(REFERENCE))
+        return [s async for s in migrating]
+
+    assert [s.migrated for s in asyncio.run(main())] == [i == 4 for i in range(len(REFERENCE))]
+
+
 def test_after_max_migrations_the_request_fails_with_its_own_error() -> None:
     with pytest.raises(MigrationFailed, match="max_migrations 1"):
         collect(Replicas([2, 2]), max_migrations=1)
@@ -189,6 +217,10 @@ def test_a_stream_lost_after_its_last_token_finishes_without_a_new_replica() -> 
 def test_only_a_lost_replica_migrates() -> None:
     assert not is_replica_lost(RuntimeError("the engine failed this request"))
     assert is_replica_lost(ChannelLost("gone"))
+    # A replica that migrates its own requests (the PD router) gave up: its answer stands.
+    gave_up = MigrationFailed("the serving replica was lost 4 times")
+    gave_up.__cause__ = ActorDiedError()
+    assert not is_replica_lost(RuntimeError("generation failed")) and not is_replica_lost(gave_up)
 
     async def failing():  # noqa: ANN202
         yield step([1])
@@ -338,3 +370,173 @@ def test_colocated_streams_migrate_over_real_step_channels() -> None:
         assert not hub.queues and not hub.owners
 
     asyncio.run(main())
+
+
+def sequence_reference(seed: int) -> list[int]:
+    """The tokens the fake replicas sample for a sequence seeded ``seed``: odd seeds end after
+    4 tokens, even ones after 20."""
+    return [1000 * seed + k for k in range(4 if seed % 2 else 20)]
+
+
+class SeededReplica(Replica):
+    """Samples ``n`` sequences (seeds seed + i, the engine's rule), each its
+    ``sequence_reference`` after the tokens a resumed request brings; records what it got."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.requests: list[GenerateRequest] = []
+
+    async def steps(self, request: GenerateRequest):  # noqa: ANN201
+        self.requests.append(request)
+        n, seed = request.sampling.get("n", 1), request.sampling["seed"]
+        assert n == 1 or not request.resume_token_ids
+        refs = [sequence_reference(seed + i) for i in range(n)]
+        start = len(request.resume_token_ids)
+        assert request.resume_token_ids == refs[0][:start]  # a sequence resumes after its own
+        sent = [start] * n
+        while any(sent[i] < len(refs[i]) for i in range(n)):
+            await self.tick.wait()
+            self.tick.clear()
+            deltas = []
+            for i in range(n):
+                if sent[i] < len(refs[i]):
+                    last = sent[i] == len(refs[i]) - 1
+                    deltas.append(SeqDelta(i, [refs[i][sent[i]]], None, "length" if last else None))
+                    sent[i] += 1
+            done = all(sent[i] == len(refs[i]) for i in range(n))
+            yield StepOutput(deltas, 3, finished=done)
+
+
+def test_colocated_n_sequences_migrate_each_after_its_own_tokens() -> None:
+    """An n=3 request (seed 10) and an n=1 one on replica a, a dies once sequence 0 has 5
+    tokens (sequence 1, seed 11, has ended by then): sequences 0 and 2 resume on b as requests
+    of their own, seeded 10 and 12, each after exactly its tokens; every sequence ends with its
+    own reference tokens and only the request's last step is finished."""
+
+    async def main() -> None:
+        a, b = SeededReplica("a"), SeededReplica("b")
+        handle = Handle([a, b])
+        hub = StepSubscriber(handle, "ingress", min_requests=2)
+
+        async def submit(request: GenerateRequest) -> PromptStream:
+            hub.expect(request.request_id)
+            call = handle.generate.remote(request, hub.subscriber)
+            first = await anext(call)
+            return PromptStream(first, hub.follow(request.request_id, first, call), request, submit)
+
+        async def ticking(replica: Replica) -> None:
+            while True:
+                replica.tick.set()
+                await asyncio.sleep(0.002)
+
+        tickers = [asyncio.create_task(ticking(r)) for r in (a, b)]
+        requests = [
+            GenerateRequest("r-0", [1, 2, 3], {"n": 3, "seed": 10, "max_tokens": 20}),
+            GenerateRequest("r-1", [1, 2, 3], {"n": 1, "seed": 20, "max_tokens": 20}),
+        ]
+        streams = [await submit(r) for r in requests]
+        assert hub.channels, "no channel opened"
+        got: list[list[StepOutput]] = [[], []]
+
+        async def read(i: int) -> None:
+            async for s in streams[i].steps():
+                got[i].append(s)
+                seq0 = [t for x in got[i] for d in x.seqs if d.index == 0 for t in d.token_ids]
+                if i == 0 and len(seq0) == 5:
+                    handle.dead.add("a")
+                    a.die()
+
+        await asyncio.wait_for(asyncio.gather(read(0), read(1)), 10)
+        for ticker in tickers:
+            ticker.cancel()
+        for steps, seeds in ((got[0], [10, 11, 12]), (got[1], [20])):
+            for index, seed in enumerate(seeds):
+                tokens = [t for s in steps for d in s.seqs if d.index == index for t in d.token_ids]
+                assert tokens == sequence_reference(seed), (seed, tokens)
+            assert [s.finished for s in steps].count(True) == 1 and steps[-1].finished
+        assert sum(s.migrated for s in got[0]) == 2
+        resumed = {r.request_id: r for r in b.requests}
+        assert set(resumed) == {"r-0#0.m1", "r-0#2.m1", "r-1.m1"}
+        sampling = {"n": 1, "seed": 12, "max_tokens": 20, "prompt_logprobs": None}
+        assert resumed["r-0#2.m1"].sampling == sampling
+        assert resumed["r-0#0.m1"].resume_token_ids == sequence_reference(10)[:5]
+        assert not hub.queues and not hub.owners
+
+    asyncio.run(main())
+
+
+# -- encoder retry: a replica lost mid-encode, rendezvous order ----------------------------------
+
+
+class FakeEncoders:
+    """VisionEncoder replicas behind a handle that routes as Serve does with RendezvousRouter:
+    the policy's ranks over the replicas, a replica that does not answer its probe (dead)
+    passed over. A replica listed in ``die_on`` dies while encoding that image."""
+
+    def __init__(self, replica_ids: list[str], die_on: dict[str, str]) -> None:
+        self.replica_ids = replica_ids
+        self.die_on = die_on  # content hash -> the replica that dies encoding it
+        self.dead: set[str] = set()
+        self.encoded: list[tuple[str, str]] = []  # (replica, content hash) of finished encodes
+        self.encode = self
+
+    def remote(self, request: EncodeRequest):  # noqa: ANN201
+        loads = [ReplicaLoad(replica_id) for replica_id in self.replica_ids]
+        ranks = rendezvous_rank(request.content_hash, loads)
+        replica = next(r[0].replica_id for r in ranks if r[0].replica_id not in self.dead)
+        return FakeResponse(self._encode(replica, request))
+
+    async def _encode(self, replica: str, request: EncodeRequest) -> EncodeResult:
+        await asyncio.sleep(0.01)
+        if self.die_on.get(request.content_hash) == replica:
+            self.dead.add(replica)
+        if replica in self.dead:  # it died while this call was on it
+            raise ActorDiedError()
+        self.encoded.append((replica, request.content_hash))
+        return EncodeResult(request.content_hash, f"features of {request.content_hash}", 4,
+                            False, 0.0, 0.01, replica)  # fmt: skip
+
+
+class FakeResponse:
+    def __init__(self, coro) -> None:  # noqa: ANN001
+        self.task = asyncio.ensure_future(coro)
+
+    def __await__(self):  # noqa: ANN204
+        return self.task.__await__()
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+
+def test_an_encoder_lost_mid_encode_is_retried_on_the_next_owner() -> None:
+    replica_ids = ["enc-a", "enc-b", "enc-c"]
+    hashes = [f"{i:064x}" for i in range(1, 7)]
+    order = {
+        key: [r[0].replica_id for r in rendezvous_rank(key, [ReplicaLoad(i) for i in replica_ids])]
+        for key in hashes
+    }
+    # The owner of the first image dies while encoding it; the others are encoded on the way.
+    victim = order[hashes[0]][0]
+    encoders = FakeEncoders(replica_ids, die_on={hashes[0]: victim})
+    router = EncoderRouter(encoders, retry_s=0.01)  # type: ignore[arg-type]
+    images = [ImagePart(10 * i, 4, key, data=b"png") for i, key in enumerate(hashes)]
+
+    parts, results = asyncio.run(router.encode(images))
+
+    assert victim in encoders.dead
+    by_hash = {r.content_hash: r.replica_id for r in results}
+    assert by_hash[hashes[0]] == order[hashes[0]][1]  # the next owner in rendezvous order
+    for key in hashes[1:]:  # the others: their owner, unless that was the dead replica
+        assert by_hash[key] == next(r for r in order[key] if r not in encoders.dead)
+    assert sorted(key for _, key in encoders.encoded) == sorted(hashes)  # each once
+    assert [p.features for p in parts] == [f"features of {key}" for key in hashes]
+
+
+def test_encoders_lost_past_the_retries_fail_the_request() -> None:
+    key = f"{7:064x}"
+    replica_ids = ["enc-a", "enc-b"]
+    owner = rendezvous_rank(key, [ReplicaLoad(i) for i in replica_ids])[0][0].replica_id
+    encoders = FakeEncoders(replica_ids, die_on={key: owner})
+    router = EncoderRouter(encoders, encode_retries=0, retry_s=0.01)  # type: ignore[arg-type]
+    with pytest.raises(ActorDiedError):
+        asyncio.run(router.encode([ImagePart(0, 4, key, data=b"png")]))
