@@ -2,8 +2,8 @@
 
 Each engine replica creates one NIXL agent when it starts and registers its whole KV cache
 with it (2 regions per layer on huge pages, neuron_runtime/kv_layout.py). The agent has no
-progress thread: the decode engine's polls drive its reads and the prefill replica's watch of
-its holds collects the notifications. What a peer needs to reach that
+progress thread: the decode replica's reader thread drives its reads and the prefill
+replica's watch of its holds collects the notifications. What a peer needs to reach that
 memory (the agent's metadata: connection details and memory keys; the regions' addresses; the
 cache layout) is put into Ray's object store once, and every ticket carries that ref: a decode
 replica loads a prefill agent the first time one of its tickets arrives. No socket of ours.
@@ -14,10 +14,20 @@ replica loads a prefill agent the first time one of its tickets arrives. No sock
             expiry) ----------- router ------------>  receive: load the agent (once), check
                                                        the layouts; equal -> a block read
                                                       engine: allocates the prompt's blocks,
-                                                       start(): one READ, a descriptor per
-                                                       (layer, K/V, head, run of blocks)
-    notification "handoff id"  <-------------------   (sent by NIXL when the READ completes)
-    release: engine frees the blocks                   poll() -> done: the request runs
+                                                       start(): the reader thread posts one
+                                                       READ per layer, in layer order (a
+                                                       descriptor per K/V, head, run of blocks)
+                                                      the request runs at once: the forward
+                                                       waits for layer i's READ before layer
+                                                       i's attention (wait_layer)
+    notification "handoff id"  <-------------------   (sent once every layer's READ is done)
+    release: engine frees the blocks                   poll() -> done
+
+Over UCX between two processes of one host (cross-memory attach) a READ copies in the call
+that posts it, on the posting thread: so a replica's reads are posted by its reader thread,
+and the copy of the later layers runs on another core while the engine computes the first
+ones. The request's first decode step then costs about what a colocated one does, plus the
+first layer's copy (or, when the copy is the slower, the copy).
 
 The prefill replica frees the blocks on that notification or ``hold_timeout_s`` after the
 export, whichever comes first; the decode side gives up a read that has not completed a
@@ -32,6 +42,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -40,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
@@ -66,6 +78,11 @@ logger = logging.getLogger("ray.serve")
 EXPIRY_MARGIN_S = 1.0
 # How often a prefill replica looks for completion notifications while it holds blocks.
 NOTIFY_POLL_S = 0.001
+# How often the reader thread checks READs that did not complete in the call that posted them.
+READ_POLL_S = 0.0002
+# The longest a forward waits for a read's layers (all its waits together): a read slower
+# than this leaves that step without the request, which then waits outside the batch.
+JOIN_WAIT_S = 0.25
 # Prefill agents a decode replica keeps loaded (the least recently used is dropped).
 MAX_PEERS = 64
 
@@ -114,6 +131,7 @@ class NixlTransport(KVTransport):
         self._notify_task: asyncio.Task | None = None
         self._peers: OrderedDict[str, NixlAgentInfo] = OrderedDict()  # decode side
         self._peers_lock = threading.Lock()
+        self.reader = _Reader()  # decode side
 
     def attach(self, engine: Any, release: Any) -> None:
         """Creates the agent and registers the engine's whole KV cache with it, once."""
@@ -242,17 +260,16 @@ class NixlTransport(KVTransport):
                 with contextlib.suppress(Exception):
                     self.agent.remove_remote_agent(name)
 
-    def post_read(
+    def descriptors(
         self,
         peer: NixlAgentInfo,
         src_blocks: list[int],
         dst_addresses: tuple[int, ...],
         dst_layout: KVLayout,
         dst_blocks: list[int],
-        notification: str,
-    ) -> Any:
-        """One READ of ``src_blocks`` of the peer's cache into ``dst_blocks``; its handle."""
-        src_rows, dst_rows = read_descriptors(
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) descriptor rows copying the peer's ``src_blocks`` into ``dst_blocks``."""
+        return read_descriptors(
             dst_layout,
             peer.region_addresses,
             peer.layout.num_blocks,
@@ -260,6 +277,16 @@ class NixlTransport(KVTransport):
             dst_addresses,
             dst_blocks,
         )
+
+    def post(
+        self,
+        peer: NixlAgentInfo,
+        src_rows: np.ndarray,
+        dst_rows: np.ndarray,
+        notification: str = "",
+    ) -> Any:
+        """One READ of the peer's ``src_rows`` into ``dst_rows``; its handle. Over UCX between
+        processes of one host the copy happens here."""
         local = self.agent.get_xfer_descs(dst_rows, "DRAM")
         remote = self.agent.get_xfer_descs(src_rows, "DRAM")
         handle = self.agent.initialize_xfer("READ", local, remote, peer.name, notification.encode())
@@ -288,14 +315,14 @@ class NixlTransport(KVTransport):
         registration = self.agent.register_memory([stage])
         try:
             addresses = tuple(stage[r].data_ptr() for r in range(src.num_regions))
-            handle = self.post_read(
+            rows = self.descriptors(
                 peer,
                 list(handoff.block_ids),
                 addresses,
                 dataclasses.replace(src, num_blocks=num_blocks),
                 list(range(num_blocks)),
-                handoff.handoff_id,
             )
+            handle = await asyncio.to_thread(self.post, peer, *rows, handoff.handoff_id)
             try:
                 while (state := self.state(handle)) == "PROC" and time.time() < deadline:
                     await asyncio.sleep(0.0005)
@@ -313,6 +340,7 @@ class NixlTransport(KVTransport):
         return KVPayload(handoff.metadata, kv)
 
     def close(self) -> None:
+        self.reader.close()
         if self._notify_task is not None:
             self._notify_task.cancel()
         if self.agent is not None:
@@ -322,11 +350,15 @@ class NixlTransport(KVTransport):
 
 
 class NixlBlockRead(KVBlockSource):
-    """One handed-off prompt read block by block into the decode engine's cache.
+    """One handed-off prompt read layer by layer into the decode engine's cache.
 
-    ``start`` and ``poll`` run on the engine's loop thread; the timings are read by the decode
-    replica afterwards for its transfer metrics.
+    ``start`` (the engine's loop thread) queues it on the transport's reader thread, which
+    posts one READ per layer in layer order (``run``) and counts the layers in as their READs
+    complete. ``wait_layer`` (the engine's forward, before a layer's attention) and ``poll``
+    read that count. The timings are read by the decode replica for its transfer metrics.
     """
+
+    layer_wise = True
 
     def __init__(
         self,
@@ -344,55 +376,130 @@ class NixlBlockRead(KVBlockSource):
         self.layout = handoff.layout
         self.deadline = deadline
         self.recompute_on_failure = recompute_on_failure
-        self.handle: Any = None
+        self.block_ids: list[int] = []
         self.started_at: float | None = None
         self.done_at: float | None = None
         self.error: str | None = None
+        self._progress = threading.Condition()
+        self._layers_in = 0  # layers 0 .. _layers_in - 1 are all in
+        self._ended = False  # the reader thread is done with it: all in, or failed
+        self._join_by: float | None = None  # time.monotonic() bound of wait_layer
 
     def start(self, block_ids: list[int]) -> None:
-        transport = self.transport
-        assert transport.layout is not None
         self.started_at = time.perf_counter()
-        if time.time() >= self.deadline:
-            self._fail("its KV expired before the engine could take it")
-        try:
-            self.handle = transport.post_read(
-                self.peer,
-                list(self.handoff.block_ids),
-                transport._addresses,
-                transport.layout,
-                block_ids,
-                self.handoff.handoff_id,
-            )
-        except Exception as exc:  # noqa: BLE001 - nixl raises its own backend errors
-            self._fail(f"NIXL could not read from {self.peer.name}: {exc!r}")
+        self.block_ids = list(block_ids)
+        self.transport.reader.submit(self)
 
     def poll(self) -> bool:
         if self.done_at is not None:
-            return True
+            return True  # every layer's READ is done (the reader thread may still be tidying)
         if self.error is not None:
             raise KVTransferError(self.error)
-        state = self.transport.state(self.handle)
-        if state == "DONE":
-            self.transport.finish(self.handle)
-            self.done_at = time.perf_counter()
-            return True
-        if state != "PROC":
-            self._fail(f"the NIXL read from {self.peer.name} failed ({state})")
-        if time.time() >= self.deadline:
-            self._fail(f"the NIXL read from {self.peer.name} did not finish in time")
         return False
+
+    def wait_layer(self, layer: int) -> bool:
+        """Blocks until ``layer``'s blocks are in; False if the read failed or is slower than
+        JOIN_WAIT_S (from the first wait) or its deadline: the caller then drops the step's
+        output for this request, whose blocks the read may still be writing."""
+        with self._progress:
+            if self._join_by is None:
+                self._join_by = time.monotonic() + JOIN_WAIT_S
+            timeout = min(self._join_by - time.monotonic(), self.deadline - time.time())
+            self._progress.wait_for(
+                lambda: self._layers_in > layer or self._ended, max(0.0, timeout)
+            )
+            return self._layers_in > layer and self.error is None
 
     def abandon(self) -> None:
         """The request went away before its read started: the prefill side may free now."""
         if self.started_at is None:
             self.transport.notify(self.peer, self.handoff.handoff_id)
 
-    def _fail(self, error: str) -> None:
-        if self.handle is not None:
-            self.transport.finish(self.handle)
-            self.handle = None
-        self.transport.notify(self.peer, self.handoff.handoff_id)
-        self.transport.forget_peer(self.peer.name)
-        self.error = error
-        raise KVTransferError(error)
+    def run(self) -> None:
+        """The reader thread's part: the READs posted in layer order, then waited for."""
+        transport = self.transport
+        assert transport.layout is not None
+        handles: list[Any] = []
+        error = None
+        try:
+            if time.time() >= self.deadline:
+                raise KVTransferError("its KV expired before the engine could take it")
+            src_rows, dst_rows = transport.descriptors(
+                self.peer,
+                list(self.handoff.block_ids),
+                transport._addresses,
+                transport.layout,
+                self.block_ids,
+            )
+            # Rows are region-major and every region has as many: layer l is chunk l.
+            num_layers = self.layout.num_layers
+            for src, dst in zip(
+                np.split(src_rows, num_layers), np.split(dst_rows, num_layers), strict=True
+            ):
+                handles.append(transport.post(self.peer, src, dst))
+                self._count_layers_in(handles)
+            while self._count_layers_in(handles) < num_layers:
+                if time.time() >= self.deadline:
+                    raise KVTransferError("it did not finish in time")
+                time.sleep(READ_POLL_S)
+        except Exception as exc:  # noqa: BLE001 - nixl raises its own backend errors
+            error = f"the NIXL read from {self.peer.name} failed: {exc}"
+        finally:
+            for handle in handles:  # cancels the READs still running
+                transport.finish(handle)
+            # Only now may the prefill side free (and reuse) the blocks read from, and the
+            # engine its own (poll raises once ``error`` is set).
+            transport.notify(self.peer, self.handoff.handoff_id)
+            if error is not None:
+                transport.forget_peer(self.peer.name)
+            with self._progress:
+                self.error = error
+                self._ended = True
+                self._progress.notify_all()
+
+    def _count_layers_in(self, handles: list[Any]) -> int:
+        """Advances the count of leading layers whose READ is done; raises on a failed one."""
+        count = self._layers_in
+        while count < len(handles):
+            state = self.transport.state(handles[count])
+            if state == "PROC":
+                break
+            if state != "DONE":
+                raise KVTransferError(f"layer {count}'s READ ended {state}")
+            count += 1
+        if count > self._layers_in:
+            with self._progress:
+                if count == self.layout.num_layers:
+                    self.done_at = time.perf_counter()
+                self._layers_in = count
+                self._progress.notify_all()
+        return count
+
+
+class _Reader:
+    """A transport's reader thread: posts and waits for block reads, one after another.
+
+    A READ over UCX's cross-memory attach copies in the call that posts it (NIXL releases the
+    GIL there), so posting off the engine's thread is what lets the copy overlap its compute.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[NixlBlockRead | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, read: NixlBlockRead) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nixl-reader", daemon=True)
+                self._thread.start()
+        self._queue.put(read)
+
+    def _run(self) -> None:
+        while (read := self._queue.get()) is not None:
+            read.run()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                self._queue.put(None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -71,6 +72,7 @@ class EngineStats:
 class _BlockRead:
     source: KVBlockSource
     hold_key: str  # the hold on the blocks it writes into
+    joined: bool = False  # its request ran in a step while the KV was landing (once at most)
 
 
 class LLMEngine:
@@ -219,7 +221,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if self.spec is not None:  # handed-off requests draft in their first step here
             self.spec.propose_arrivals(scheduled, self.scheduler.requests)
-        arriving, failed = self._read_kv(scheduled)
+        arriving, failed, joining = self._read_kv(scheduled)
         runnable = scheduled
         if arriving or failed:
             held_back = arriving | set(failed)
@@ -227,7 +229,18 @@ class LLMEngine:
             runnable = dataclasses.replace(scheduled, seqs=seqs)
         if not runnable.seqs and not failed and (self._reads or self._orphan_reads):
             time.sleep(0.0005)  # only transfers in flight: wait for them, do not spin
-        result = self.runner.execute(runnable) if runnable.seqs else ModelRunnerOutput()
+        reads = [self._reads[req_id].source for req_id in joining]
+        seeds = {req_id: self.runner.generator_state(req_id) for req_id in joining}
+        arrivals: contextlib.AbstractContextManager[set[KVBlockSource]] = (
+            self.runner.kv_arriving(reads) if reads else contextlib.nullcontext(set())
+        )
+        with arrivals as missed:
+            result = self.runner.execute(runnable) if runnable.seqs else ModelRunnerOutput()
+        late = self._join_reads(seeds, missed, result, failed)
+        if late:
+            runnable = dataclasses.replace(
+                runnable, seqs=[s for s in runnable.seqs if s.req_id not in late]
+            )
         result.failed.update(failed)
         if result.prompt_logits:
             self._validate_online(result.prompt_logits)
@@ -307,12 +320,14 @@ class LLMEngine:
         """Prefill role: frees a handed-off prompt's blocks; False if they are not held."""
         return self.kv.release(handoff_id)
 
-    def _read_kv(self, scheduled: SchedulerOutput) -> tuple[set[str], dict[str, str]]:
+    def _read_kv(self, scheduled: SchedulerOutput) -> tuple[set[str], dict[str, str], set[str]]:
         """Decode role: starts the block reads of newly admitted requests and polls the others.
 
-        Returns the requests whose KV is still arriving (left out of this step) and those
-        whose read failed without recompute (req_id -> error). A failed read with recompute
-        sets the request back to zero computed tokens: the next step computes its prompt.
+        Returns the requests whose KV is still arriving (left out of this step), those whose
+        read failed without recompute (req_id -> error), and those that run in this step
+        while their KV lands layer by layer (a layer-wise read, once per read; eager forwards
+        only: a graph cannot wait between layers). A failed read with recompute sets the
+        request back to zero computed tokens: the next step computes its prompt.
         """
         for req_id in scheduled.preempted_req_ids:
             read = self._reads.pop(req_id, None)
@@ -321,6 +336,8 @@ class LLMEngine:
         self._orphan_reads = [r for r in self._orphan_reads if not self._finished(r)]
         arriving: set[str] = set()
         failed: dict[str, str] = {}
+        joining: set[str] = set()
+        can_join = self.spec is None and not self.config.graph.static
         bs = self.config.cache.block_size
         for seq in scheduled.seqs:
             source = seq.kv_import
@@ -351,9 +368,45 @@ class LLMEngine:
             if done:
                 del self._reads[seq.req_id]
                 self.kv.release(read.hold_key)
+            elif can_join and read.source.layer_wise and not read.joined:
+                read.joined = True
+                joining.add(seq.req_id)
             else:
                 arriving.add(seq.req_id)
-        return arriving - set(failed), failed
+        return arriving - set(failed), failed, joining
+
+    def _join_reads(
+        self,
+        joining: dict[str, np.ndarray | None],
+        missed: set[KVBlockSource],
+        result: ModelRunnerOutput,
+        failed: dict[str, str],
+    ) -> set[str]:
+        """After a forward that ran requests whose KV was landing (each layer waited for its
+        own blocks): keeps the output of those whose every layer was in when waited for.
+        The others leave the step as if never run (returned), their token dropped and their
+        seeded generator set back to ``joining``'s state: still landing (they wait outside
+        the batch now), to recompute, or failed (into ``failed``).
+        """
+        late = set()
+        for req_id, generator_state in joining.items():
+            read = self._reads[req_id]
+            try:
+                if read.source.poll() and read.source not in missed:
+                    del self._reads[req_id]
+                    self.kv.release(read.hold_key)
+                    continue
+            except KVTransferError as exc:
+                self._read_failed(req_id, exc, failed)
+            late.add(req_id)
+            for per_request in (result.sampled, result.logprobs, result.failed, result.accepted):
+                per_request.pop(req_id, None)
+            seed = self.scheduler.requests[req_id].params.seed
+            if generator_state is None or seed is None:
+                self.runner.generators.pop(req_id, None)
+            else:
+                self.runner.restore_generator(req_id, seed, generator_state)
+        return late
 
     def _read_failed(self, req_id: str, exc: KVTransferError, failed: dict[str, str]) -> None:
         read = self._reads.pop(req_id)

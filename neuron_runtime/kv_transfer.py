@@ -173,9 +173,12 @@ class KVBlockSource(ABC):
 
     The engine calls ``start`` once, from its loop thread, with the blocks it allocated for
     the prompt (in prompt order, ``ceil(num_tokens / block_size)`` of them), then ``poll``
-    each step until it returns True; the request runs only then. Until ``poll`` has returned
-    True or raised, the transfer may still write into those blocks, so the engine keeps them
-    out of the free pool even if the request ends meanwhile.
+    each step until it returns True; the request runs only then, unless the source is
+    ``layer_wise``: then it runs in the very step that started the read, its forward calling
+    ``wait_layer(i)`` before layer i's attention, and its output counts only if ``poll``
+    returns True after that forward. Until ``poll`` has returned True or raised, the
+    transfer may still write into those blocks, so the engine keeps them out of the free pool
+    even if the request ends meanwhile.
     """
 
     metadata: KVMetadata
@@ -194,6 +197,14 @@ class KVBlockSource(ABC):
     @abstractmethod
     def poll(self) -> bool:
         """True once every block has arrived; KVTransferError if the read failed or is late."""
+
+    # Whether the blocks arrive layer by layer and ``wait_layer`` says when one layer's are in.
+    layer_wise: bool = False
+
+    def wait_layer(self, layer: int) -> bool:
+        """Blocks (briefly) until ``layer``'s part of every block has arrived; False if it has
+        not (the read failed or is slow). Only for a ``layer_wise`` source."""
+        raise NotImplementedError
 
     def abandon(self) -> None:
         """The owner's request ended; a read that never started lets its source go now."""

@@ -7,7 +7,9 @@ to buckets in one place.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -19,7 +21,7 @@ from neuron_runtime.backends.static.runner import StaticRunner
 from neuron_runtime.backends.static.sampler import sampling_inputs
 from neuron_runtime.config import EngineConfig
 from neuron_runtime.kv_budget import num_kv_blocks
-from neuron_runtime.kv_transfer import KVPayload
+from neuron_runtime.kv_transfer import KVBlockSource, KVPayload
 from neuron_runtime.layers.attention import DecodeRows, PrefillSlice
 from neuron_runtime.loader import load_model
 from neuron_runtime.models.llava import LlavaForConditionalGeneration
@@ -89,6 +91,18 @@ class StepInputs:
 def _decodes_first(seq: ScheduledSeq) -> tuple[bool, int]:
     is_decode = len(seq.token_ids) == 1
     return (not is_decode, seq.start_pos if is_decode else 0)
+
+
+def _cache_readers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
+    """The innermost modules whose forward takes one layer's ``kv_cache`` (the attention
+    layers), each with that argument's position."""
+    found: dict[torch.nn.Module, int] = {}
+    for module in model.modules():
+        names = list(inspect.signature(type(module).forward).parameters)
+        if "kv_cache" in names:
+            found[module] = names.index("kv_cache") - 1  # after self
+    inner = {m for m in found if not any(c in found for c in m.modules() if c is not m)}
+    return [(m, index) for m, index in found.items() if m in inner]
 
 
 class ModelRunner:
@@ -188,6 +202,39 @@ class ModelRunner:
         gen = torch.Generator(device=self.generator_device).manual_seed(seed)
         gen.set_state(torch.from_numpy(np.array(state, dtype=np.uint8)))
         self.generators[req_id] = gen
+
+    @contextlib.contextmanager
+    def kv_arriving(self, reads: list[KVBlockSource]) -> Iterator[set[KVBlockSource]]:
+        """Forwards run inside it while ``reads`` (layer-wise block reads) are still landing:
+        each attention layer first waits for its own layer's blocks of every read, so the
+        copy of the later layers hides under the earlier layers' compute. Yields the set of
+        reads that were not in when waited for: the step's output for their requests is
+        worthless (the engine drops it); the other requests' rows never read those blocks."""
+        layer_of = {k.data_ptr(): layer for layer, (k, _) in enumerate(self.kv_caches)}
+        missed: set[KVBlockSource] = set()
+
+        def wait(kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+            layer = layer_of.get(kv_cache[0].data_ptr())
+            if layer is None:  # another model's cache (a draft model's)
+                return
+            for read in reads:
+                if read not in missed and not read.wait_layer(layer):
+                    missed.add(read)
+
+        hooks = [
+            module.register_forward_pre_hook(
+                lambda _m, args, kwargs, i=index: wait(
+                    kwargs["kv_cache"] if len(args) <= i else args[i]
+                ),
+                with_kwargs=True,
+            )
+            for module, index in _cache_readers(self.model)
+        ]
+        try:
+            yield missed
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         with no_grad(self.static is not None):
