@@ -278,13 +278,16 @@ class SpecDecoder:
         runner = self.runner
         rows: list[int] = []
         seqs = []
-        drafts: dict[str, list[int]] = {}  # constrained slices: their rows' bitmasks differ
+        # Constrained slices: each row has its own bitmask. Sampled ones mask every row here;
+        # greedy ones only the rows whose argmax the grammar refuses (``_accept_greedy_grammar``).
+        drafts: dict[str, list[int]] = {}
         for seq, first in step.verify:
             n = seq.num_spec_tokens + 1
             rows.extend(range(first, first + n))
             if seq.grammar_bitmask is not None:
-                drafts[seq.req_id] = seq.token_ids[-seq.num_spec_tokens :]
-                seq = dataclasses.replace(seq, grammar_bitmask=None)  # masked per row below
+                if not seq.params.greedy:
+                    drafts[seq.req_id] = seq.token_ids[-seq.num_spec_tokens :]
+                seq = dataclasses.replace(seq, grammar_bitmask=None)
             seqs.extend([seq] * n)
         verified = hidden[rows]  # [R, hidden]: the last token, then each draft
         nan_rows = torch.isnan(verified).any(dim=-1).tolist()
@@ -301,7 +304,11 @@ class SpecDecoder:
             if any(nan_rows[rows_of]):
                 result.failed[seq.req_id] = "the model produced NaN logits"
                 continue
-            if seq.params.greedy:
+            if seq.params.greedy and seq.grammar_bitmask is not None:
+                tokens = self._accept_greedy_grammar(
+                    seq.req_id, logits[rows_of], argmax[rows_of], draft
+                )
+            elif seq.params.greedy:
                 tokens = accept_greedy(argmax[rows_of], draft)
             else:
                 own = SamplingBatch(
@@ -320,6 +327,28 @@ class SpecDecoder:
                 result.logprobs[seq.req_id] = entries[-1]
                 self._draft_logprobs[seq.req_id] = entries[:-1]
             self._record(seq.req_id, len(draft), len(tokens) - 1)
+
+    def _accept_greedy_grammar(
+        self, req_id: str, logits: torch.Tensor, argmax: list[int], draft: list[int]
+    ) -> list[int]:
+        """``accept_greedy`` on grammar-masked rows, masking only where needed: the argmax of
+        an unmasked row is the masked row's argmax whenever the grammar allows it there (it is
+        the first maximum, and masking only lowers the others). logits: [k + 1, V] unmasked;
+        the drafts are tokens the grammar accepts (``propose`` cut the rest)."""
+        structured = self.structured
+        assert structured is not None
+
+        def choice(i: int) -> int:  # the masked argmax of row i
+            if structured.allows(req_id, draft[:i], argmax[i]):
+                return argmax[i]
+            row = structured.draft_bitmasks({req_id: draft[:i]})[req_id][-1:]  # [1, W]
+            return int(apply_token_bitmask(logits[i : i + 1], row.to(logits.device)).argmax())
+
+        for i, token in enumerate(draft):
+            chosen = choice(i)
+            if chosen != token:
+                return draft[:i] + [chosen]
+        return draft + [choice(len(draft))]
 
     def _mask_grammar_rows(
         self, step: StepInputs, logits: torch.Tensor, drafts: dict[str, list[int]]

@@ -127,6 +127,14 @@ class StructuredOutputManager:
         )
         return rows
 
+    def allows(self, req_id: str, prefix: list[int], token: int) -> bool:
+        """Whether the grammar takes ``token`` after the output plus ``prefix`` (tokens it
+        accepts); the matcher is unchanged. It may refuse a token the bitmask allows (EOS once
+        the grammar has stopped), never the reverse: a refusal means "mask the row"."""
+        state = self.states[req_id]
+        self._wait_for_fill()
+        return int(state.matcher.validate_tokens([*prefix, token])) == len(prefix) + 1
+
     def bitmask(self, req_ids: list[str]) -> dict[str, BitmaskRow]:
         """The allowed tokens of each constrained request among ``req_ids`` (the requests
         that sample this step): a row each of one [R, ceil(V / 32)] int32 batch, which the
