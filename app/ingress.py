@@ -64,6 +64,7 @@ from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.multimodal import place_images, vision_spec
 from neuron_runtime.structured_output import GrammarCompiler, StructuredOutputsParams
 from neuron_runtime.tokenizer import Tokenizer
+from router.migration import REOPEN_RETRY_S, is_replica_lost
 from router.streams import StepSubscriber
 
 
@@ -107,8 +108,6 @@ class OpenAIIngress:
             self.llm_stream, "ingress", min_requests=2 if self.config.step_channels else None
         )
         self.embedder = embedder
-        # A colocated engine's requests migrate here when their replica is lost mid-stream.
-        self.colocated = llm.deployment_name == "LLMServer"
         engine_config = EngineArgs(**self.config.engine_args).create_engine_config()
         self.tokenizer = Tokenizer(engine_config.model.path)
         self.limits = Limits(
@@ -315,7 +314,8 @@ class OpenAIIngress:
         tasks = [
             asyncio.create_task(
                 self._open(
-                    GenerateRequest(f"{engine_id}-{i}", ids, f, list(images or []), trace_context)
+                    GenerateRequest(f"{engine_id}-{i}", ids, f, list(images or []), trace_context),
+                    self.config.max_migrations,
                 )
             )
             for i, (ids, f) in enumerate(zip(prompts, fields, strict=True))
@@ -331,13 +331,22 @@ class OpenAIIngress:
             raise
         return Generation(list(streams), seq_texts, timer)
 
-    async def _open(self, request: GenerateRequest) -> PromptStream:
-        self.steps.expect(request.request_id)
-        try:
-            return await self._submit(request)
-        except BaseException:
-            self.steps.forget(request.request_id)
-            raise
+    async def _open(self, request: GenerateRequest, retries: int = 0) -> PromptStream:
+        """Submits the request; one whose replica is lost before its first step (nothing was
+        sent to the client yet) is submitted again, up to ``retries`` times."""
+        for attempt in range(retries + 1):
+            self.steps.expect(request.request_id)
+            try:
+                return await self._submit(request)
+            except Exception as exc:
+                self.steps.forget(request.request_id)
+                if attempt == retries or not is_replica_lost(exc):
+                    raise
+            except BaseException:
+                self.steps.forget(request.request_id)
+                raise
+            await asyncio.sleep(REOPEN_RETRY_S)
+        raise AssertionError("unreachable")
 
     async def _submit(self, request: GenerateRequest) -> PromptStream:
         # A stream=True handle: remote() returns a DeploymentResponseGenerator; it carries the
@@ -364,8 +373,8 @@ class OpenAIIngress:
                 raise self._overloaded() from exc
             raise OpenAIError(500, f"generation failed: {_first_line(exc)}") from exc
         rest = self.steps.follow(request.request_id, first, stream)
-        if not self.colocated:
-            return PromptStream(first, rest)  # the PD router migrates its own requests
+        # A request whose replica (LLMServer, or a PD router: that one migrates what its
+        # decode replicas lose) is lost mid-stream resumes on another one.
         return PromptStream(
             first,
             rest,

@@ -277,6 +277,7 @@ def main() -> None:
     if args.warmup_minutes >= args.minutes:
         parser.error("--warmup-minutes must be shorter than --minutes")
 
+    uptime_start = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     port = start_local_serve()
     try:
         app_args = deploy(port)
@@ -286,6 +287,7 @@ def main() -> None:
     memory = summarize(samples, args.warmup_minutes)
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"\nsoak: {args.minutes:g} min, {args.concurrency} clients, CPU {cpu_model()}")
+    print(f"load average at the start: {uptime_start.split('load average:')[-1].strip()}")
     print(f"load average at the end: {uptime.split('load average:')[-1].strip()}")
     print("\nrequests:")
     for kind, counts in load.counts.items():
@@ -303,6 +305,7 @@ def main() -> None:
     result = {
         "command": " ".join(sys.argv),
         "cpu": cpu_model(),
+        "uptime_start": uptime_start,
         "uptime": uptime,
         "args": vars(args),
         "requests": load.counts,

@@ -132,7 +132,8 @@ CASES = [
         kill_after_s=0.2,
         max_failed=0,
     ),
-    # Distinct 512x512 images: each one is decoded and encoded.
+    # Distinct 512x512 images: each one is decoded and encoded. An encode call whose replica
+    # died is sent again and lands on the image's next owner in rendezvous order.
     ChaosCase(
         "encoder",
         "VisionEncoder",
@@ -140,7 +141,11 @@ CASES = [
         image_chat(1000),
         concurrency=12,
         kill_after_s=0.2,
+        max_failed=0,
     ),
+    # The ingress resumes each stream of the dead router on the other one (prompt + the
+    # tokens streamed so far recomputed on the decode replica): nothing may fail and each
+    # greedy stream must equal the offline engine's.
     ChaosCase(
         "pd-router",
         "PDRouter",
@@ -148,6 +153,8 @@ CASES = [
         completion(1000, 32, 4, stream=True),
         concurrency=16,
         kill_after_s=0.5,
+        max_failed=0,
+        migrations=lambda app: ingress_migrations(BASE[app]),
     ),
     # The only decode replica dies with every stream mid-decode: the PD router resumes each
     # on the replacement (prompt + the tokens streamed so far recomputed there); nothing may
