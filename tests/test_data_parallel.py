@@ -110,24 +110,28 @@ def test_data_parallel_size_with_another_replica_count_is_refused():
 # -- DP ranks sharing experts ---------------------------------------------------------------
 
 
-def _rank_main(rank: int, init_method: str, paths: dict[str, str], queue: Any) -> None:
+def _rank_main(rank: int, tp: int, init_method: str, paths: dict[str, str], queue: Any) -> None:
     torch.set_num_threads(1)
     from neuron_runtime.config import ParallelConfig
     from neuron_runtime.parallel.collectives import destroy_world, init_world
     from neuron_runtime.parallel.state import build_parallel_state, use_parallel_state
 
-    config = ParallelConfig(data_parallel_size=2, enable_expert_parallel=True)
+    config = ParallelConfig(
+        tensor_parallel_size=tp, data_parallel_size=2, enable_expert_parallel=True
+    )
     init_world("gloo", rank, config.world_size, init_method, 300.0)
     try:
         state = build_parallel_state(config, rank, "gloo")
-        assert (state.tp.size, state.dp.size, state.ep.size) == (1, 2, 2)
+        assert (state.tp.size, state.dp.size, state.ep.size) == (tp, 2, 2 * tp)
+        dp_rank = rank // tp
         results: dict[str, Any] = {"rank": rank}
         for name, path in paths.items():
             cfg = load_hf_config(path)
             with use_parallel_state(state):
                 model = load_model(model_class(cfg["architectures"][0]), cfg, path)
             experts = model.decoder_layers[0].mlp
-            results[name] = (experts.num_local, sequence_logits(model, SEQUENCES[rank]).numpy())
+            logits = sequence_logits(model, SEQUENCES[dp_rank])
+            results[name] = (experts.num_local, logits.numpy())
         queue.put(results)
     except BaseException as exc:  # the parent reports it
         queue.put({"rank": rank, "error": repr(exc)})
@@ -136,15 +140,15 @@ def _rank_main(rank: int, init_method: str, paths: dict[str, str], queue: Any) -
         destroy_world()
 
 
-def _run_dp_group(paths: dict[str, str]) -> list[dict[str, Any]]:
+def _run_dp_group(paths: dict[str, str], tp: int) -> list[dict[str, Any]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, f"tcp://127.0.0.1:{port}", paths, queue))
-        for r in range(2)
+        ctx.Process(target=_rank_main, args=(r, tp, f"tcp://127.0.0.1:{port}", paths, queue))
+        for r in range(2 * tp)
     ]
     for p in procs:
         p.start()
@@ -160,9 +164,17 @@ def _run_dp_group(paths: dict[str, str]) -> list[dict[str, Any]]:
     return sorted(results, key=lambda r: r["rank"])
 
 
+@pytest.mark.parametrize(
+    ("tp", "families"),
+    [(1, ("qwen3_moe", "mixtral")), (2, ("mixtral",))],
+    ids=["dp2", "dp2xtp2"],
+)
 def test_dp_ranks_with_experts_spread_over_them_match_one_rank(
-    tmp_path_factory, default_model_path
+    tp, families, tmp_path_factory, default_model_path
 ):
+    """DP=2 (2 ranks, 4 experts each) and DP=2 x TP=2 (4 ranks, 2 experts each: attention
+    sharded within each replica, its one kv head replicated, the token shares gathered over
+    its TP group)."""
     paths = {
         name: str(
             make_tiny_model(
@@ -170,15 +182,17 @@ def test_dp_ranks_with_experts_spread_over_them_match_one_rank(
             )
         )
         for name, (arch, settings) in MOE_FAMILIES.items()
+        if name in families
     }
-    ranks = _run_dp_group(paths)
+    ranks = _run_dp_group(paths, tp)
     for name, path in paths.items():
         cfg = load_hf_config(path)
         single = load_model(model_class(cfg["architectures"][0]), cfg, path)
+        wants = [sequence_logits(single, tokens) for tokens in SEQUENCES]
         for rank, result in enumerate(ranks):
             num_local, logits = result[name]
-            assert num_local == 4  # 8 experts over 2 DP ranks
-            want = sequence_logits(single, SEQUENCES[rank])
+            assert num_local == 8 // (2 * tp)  # the experts spread over every rank
+            want = wants[rank // tp]
             got = torch.from_numpy(logits)
             torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
             assert torch.equal(got.argmax(-1), want.argmax(-1)), (name, rank)
