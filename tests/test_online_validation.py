@@ -198,6 +198,30 @@ def test_the_prefill_role_is_checked_before_its_handoff(engine):
     assert engine.stats().num_kv_blocks_held == 0
 
 
+def test_a_reference_that_does_not_load_drops_every_check(engine, monkeypatch, caplog):
+    import neuron_runtime.accuracy.teacher as teacher
+
+    def broken(*args, **kwargs):
+        raise OSError("no weights here")
+
+    monkeypatch.setattr(teacher, "Reference", broken)
+    drops = []
+    with caplog.at_level(logging.ERROR, logger="neuron_runtime.accuracy.online"):
+        validator = OnlineValidator(
+            OnlineValidationConfig(sample_rate=1.0), on_drop=lambda: drops.append(1)
+        ).attach(engine)
+    try:
+        assert "online validation is off" in caplog.text
+        out = run(engine, "served", list(range(100, 120)), SamplingParams(max_tokens=2))
+        assert out.finished and len(out.outputs[0].token_ids) == 2  # serving goes on
+        assert validator.wait_idle(10)
+    finally:
+        validator.close()
+        engine.online_validation = None
+    stats = validator.stats()
+    assert (stats.checks, stats.dropped, stats.pending) == (0, 1, 0) and drops == [1]
+
+
 def test_an_aborted_or_unsampled_request_leaves_no_tap(engine):
     validator = OnlineValidator(OnlineValidationConfig(sample_rate=1.0))
     engine.online_validation = validator  # no worker: nothing may reach the queue
