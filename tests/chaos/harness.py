@@ -14,8 +14,9 @@ After the kill the harness measures how long until a fresh request of the same k
 every replica, survivors and replacement, to be back at its idle baseline: no request running
 or waiting, no KV block used or held, no KV ticket in a router, no image being encoded.
 
-A case for a replica that holds request state (decode, colocated) is one more ``ChaosCase``
-with ``max_failed=0`` and a ``migrations`` counter; the report has the migrated column.
+A case for a replica that holds request state (decode, colocated, PD router) is one more
+``ChaosCase`` with ``max_failed=0`` and a ``migrations`` counter; the report has the migrated
+column.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ One application on the shared cluster (conftest.serve_cluster), deployed through
 path: encode -> prefill -> decode on the tiny random-weight LLaVA plus the embedding model,
 two replicas of each deployment under test (one decode replica: its kill, with migration, is
 a case of its own). Each case runs a bounded load, kills one replica that holds work, and
-checks: no request hung, every request got exactly one final answer (a response, or the
+checks: no request hung, none failed where the requests can be retried or migrated (prefill,
+encoder, PD router, decode), every request got exactly one final answer (a response, or the
 OpenAI error body / an SSE error event and [DONE]), the same kind of request is served again,
 Serve replaced the replica, and every replica is back at its idle baseline. A table of the
 cases is printed (completed, migrated, failed cleanly, unclean, hung, seconds to served
