@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -95,10 +96,16 @@ class LLMEngine:
         self.kv = KVCacheManager(
             self.runner.num_blocks, block_size, config.cache.enable_prefix_caching
         )
+        # Grammar masks fill ahead on their own thread only where a core is free while the
+        # forward pass runs; else each row fills when the sampler needs it (structured_output/).
+        forward_takes_every_core = config.device == "cpu" and (
+            config.num_threads is None or config.num_threads >= len(os.sched_getaffinity(0))
+        )
         self.structured = StructuredOutputManager(
             GrammarCompiler(
                 self.tokenizer.hf_tokenizer, config.model.vocab_size, self.tokenizer.eos_token_id
-            )
+            ),
+            fill_ahead=not forward_takes_every_core,
         )
         self.scheduler = Scheduler(
             config.scheduler, self.kv, config.model.max_model_len, self.structured

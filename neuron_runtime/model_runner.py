@@ -38,7 +38,7 @@ from neuron_runtime.sampler import (
     top_logprobs,
 )
 from neuron_runtime.scheduler import ScheduledSeq, SchedulerOutput
-from neuron_runtime.structured_output import apply_grammar_bitmasks
+from neuron_runtime.structured_output.bitmask import apply_grammar_bitmasks, fix_greedy_tokens
 
 if TYPE_CHECKING:
     from neuron_runtime.spec_decode.decoder import SpecDecoder
@@ -401,11 +401,18 @@ class ModelRunner:
     def sample_tokens(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
         """One token per row of ``logits`` [S, V]: [S] long (the eager sampler)."""
         batch = self._sampling_batch(seqs, self.device)
-        return sample(self._process_logits(seqs, logits), batch, self.ops.argmax)
+        logits = self._process_logits(seqs, logits)
+        tokens = sample(logits, batch, self.ops.argmax)
+        if any(s.grammar_bitmask is not None and s.params.greedy for s in seqs):
+            # Greedy constrained rows were sampled unmasked: most picks are allowed as they are.
+            greedy_rows = [s.grammar_bitmask if s.params.greedy else None for s in seqs]
+            tokens = fix_greedy_tokens(logits, tokens, greedy_rows)
+        return tokens
 
     def _process_logits(self, seqs: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
-        """Penalties, logit_bias, allowed and banned tokens; returns ``logits`` itself (never
-        modified in place: the logprobs read it) when no row asks for them."""
+        """Penalties, logit_bias, allowed and banned tokens, grammar masks of the rows that do
+        not sample greedily; returns ``logits`` itself (never modified in place: the logprobs
+        read it) when no row asks for them."""
         raw = logits
         if any(s.params.has_penalties for s in seqs):
             vocab, dev = logits.shape[-1], self.device
@@ -421,8 +428,10 @@ class ModelRunner:
             logits = apply_logit_bias(logits, [s.params.logit_bias for s in seqs])
         if any(s.params.allowed_token_ids for s in seqs):
             logits = apply_allowed_tokens(logits, [s.params.allowed_token_ids for s in seqs])
-        if any(s.grammar_bitmask is not None for s in seqs):
-            logits = apply_grammar_bitmasks(logits, [s.grammar_bitmask for s in seqs])
+        if any(s.grammar_bitmask is not None and not s.params.greedy for s in seqs):
+            # Greedy rows are masked after sampling, only where needed (sample_tokens).
+            sampled = [None if s.params.greedy else s.grammar_bitmask for s in seqs]
+            logits = apply_grammar_bitmasks(logits, sampled)
         banned = [(row, s.banned_token_ids) for row, s in enumerate(seqs) if s.banned_token_ids]
         if banned:
             logits = logits.clone() if logits is raw else logits

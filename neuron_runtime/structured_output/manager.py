@@ -7,14 +7,19 @@ Lifecycle of a constrained request:
                 is created then and consumes the output tokens the request already has
                 (a KV handoff's first token, or tokens kept across a preemption)
     bitmask()   before each step: one bitmask row per constrained request that samples,
-                filled on the fill thread while the step's forward pass runs
+                filled on the fill thread while the step's forward pass runs, or on demand
+                (``fill_ahead=False``: the forward pass takes every core; most greedy rows
+                then need no mask at all, see bitmask.py)
     accept()    after each step: the sampled token advances the matcher
     release()   when the request ends, whatever the reason
 
 A fill reads the matchers of its batch: every call that creates, advances or drops a matcher
 (status, accept, release, the next bitmask) first waits for the running fill to end, so a
 matcher is never read and changed at once. llguidance releases the GIL while it fills, so
-the fill overlaps the forward pass where a core is free.
+the fill overlaps the forward pass where a core is free. Where none is, the fill thread only
+slows the forward pass down by as much as it fills (measured by bench/structured.py), so the
+engine fills on demand there: a row is filled, on the engine thread, when the sampler needs it
+(before the matchers change: the runner samples before the scheduler accepts).
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ class _GrammarState:
 class StructuredOutputManager:
     """Grammar state of the constrained requests of one engine, keyed by request id."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    def __init__(self, compiler: GrammarCompiler, fill_ahead: bool = True) -> None:
         self.compiler = compiler
+        self.fill_ahead = fill_ahead  # False: each row fills when first needed
         self.states: dict[str, _GrammarState] = {}
         self._executor: Any = None  # llguidance.LLExecutor, made with the first bitmask
         self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
@@ -138,7 +144,8 @@ class StructuredOutputManager:
     def bitmask(self, req_ids: list[str]) -> dict[str, BitmaskRow]:
         """The allowed tokens of each constrained request among ``req_ids`` (the requests
         that sample this step): a row each of one [R, ceil(V / 32)] int32 batch, which the
-        fill thread fills while this returns at once (``BitmaskRow.get`` waits for it)."""
+        fill thread fills while this returns at once (``BitmaskRow.get`` waits for it), or,
+        without ``fill_ahead``, which each row's first ``get`` fills."""
         import llguidance
         import llguidance.torch
 
@@ -146,11 +153,16 @@ class StructuredOutputManager:
         if not constrained:
             return {}
         self._wait_for_fill()
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(num_threads=1)
         bitmask = llguidance.torch.allocate_token_bitmask(
             len(constrained), self.compiler.vocab_size
         )  # [R, ceil(V / 32)] int32
+        if not self.fill_ahead:
+            return {
+                r: BitmaskRow(bitmask, i, Future(), self.states[r].matcher)
+                for i, r in enumerate(constrained)
+            }
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=1)
         matchers = [(self.states[r].matcher, i) for i, r in enumerate(constrained)]
         filled = self._fill_thread.submit(
             llguidance.torch.fill_next_token_bitmask_par, self._executor, matchers, bitmask
