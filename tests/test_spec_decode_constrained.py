@@ -84,6 +84,7 @@ def spec(default_model_path) -> LLM:
         "num_speculative_tokens": 4,
         "prompt_lookup_min": 1,
         "prompt_lookup_max": 3,
+        "min_acceptance_rate": 0.0,  # no back-off: every request drafts k tokens each step
     }
     return LLM(model=str(default_model_path), **ARGS, speculative_config=speculative)
 
@@ -202,6 +203,7 @@ def test_draft_bitmasks_equal_fresh_matchers_at_each_prefix(spec):
     valid = draft[: len(text_ids)]
     rows = manager.draft_bitmasks({"r": valid, "free": [1, 2]})
     assert list(rows) == ["r"] and rows["r"].shape[0] == len(valid) + 1
+    assert torch.equal(manager.draft_bitmasks({"r": []})["r"], rows["r"][:1])
     expected = llguidance.torch.allocate_token_bitmask(len(valid) + 1, compiler.vocab_size)
     for i in range(len(valid) + 1):
         matcher = template.matcher()
@@ -262,6 +264,38 @@ def test_drafts_are_cut_where_the_grammar_rejects_them(spec, reference, monkeypa
             cut += len(draft) == 2
     assert cut > 0
     assert_idle(spec)
+
+
+def test_a_draft_model_drafts_are_cut_and_their_kv_trimmed(tiny_llama_path, monkeypatch):
+    """A draft model that is the target itself drafts the target's unmasked greedy tokens: cut
+    at the first one the grammar refuses, the rest are all accepted (the masked argmax of the
+    rows before it); greedy tokens equal the engine's without speculation, and the KV blocks
+    drafted past a cut come back."""
+    args = dict(model=str(tiny_llama_path), max_model_len=256, num_kv_blocks=64)
+    prompts = [[11, 12, 13, 14] * 4, [300, 301, 302], [7, 8, 9, 10, 11], [21, 22, 23] * 3]
+    params = [
+        constrained(max_tokens=24, regex="[a-z]{3,12}( [a-z]{2,9}){0,5}"),
+        constrained(max_tokens=24, json=PERSON),
+        constrained(max_tokens=8, choice=COLOURS),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    ]
+    expected = LLM(**args).generate(prompts, params)
+    speculative = {
+        "method": "draft_model",
+        "num_speculative_tokens": 4,
+        "model": args["model"],
+        "min_acceptance_rate": 0.0,
+    }
+    llm = LLM(**args, speculative_config=speculative)
+    drafts = record_drafts(llm, monkeypatch)
+    outputs = llm.generate(prompts, params)
+    assert tokens_of(outputs) == tokens_of(expected)
+    stats = llm.engine.stats().spec_decode
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    # Cut by the grammar, not by max_tokens: the regex and JSON rows had room for 4 drafts.
+    cut_rows = {o.request_id for o in outputs[:2]}
+    assert any(r in cut_rows and len(d) < 4 and n + 5 <= 24 for r, n, d in drafts)
+    assert_idle(llm)
 
 
 # -- stop strings and logprobs ----------------------------------------------------------------

@@ -123,14 +123,21 @@ class StructuredOutputManager:
             self._executor = llguidance.LLExecutor(num_threads=1)
         num_rows = sum(len(d) + 1 for _, d in constrained)
         bitmask = llguidance.torch.allocate_token_bitmask(num_rows, self.compiler.vocab_size)
-        first, jobs, rows = 0, [], {}
+        first, jobs, plain, rows = 0, [], [], {}
         for req_id, draft in constrained:
-            jobs.append((self.states[req_id].matcher, first, list(draft)))
+            matcher = self.states[req_id].matcher
+            if draft:
+                jobs.append((matcher, first, list(draft)))
+            else:  # llguidance's draft fill takes at least one draft token
+                plain.append((matcher, first))
             rows[req_id] = bitmask[first : first + len(draft) + 1]
             first += len(draft) + 1
-        llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(
-            self._executor, jobs, bitmask
-        )
+        if jobs:
+            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(
+                self._executor, jobs, bitmask
+            )
+        if plain:
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         return rows
 
     def allows(self, req_id: str, prefix: list[int], token: int) -> bool:
