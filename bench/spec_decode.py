@@ -5,18 +5,27 @@ each proposer, at batch 1 and 8, on repetitive and free-form chat workloads.
   summarise-and-quote request (the answer quotes the prompt's sentences);
 - free-form: a story with nothing to copy from the prompt.
 
-Configurations: no speculation, n-gram (prompt lookup), and self-speculation with the
-target's first layers (no trained draft or EAGLE head exists offline, so those proposers
-have nothing to show here beyond correctness). Greedy, fp32; every configuration's greedy
-tokens are checked against no speculation. Configurations alternate within each repeat
-(A B C A B C ...) and the table reports medians.
+Configurations: n-gram (prompt lookup; with and without back-off, or disabled above 2
+sequences) and self-speculation with the target's first layers (no trained draft or EAGLE
+head exists offline, so those proposers have nothing to show here beyond correctness), each
+against no speculation. Greedy, fp32; every run's greedy tokens are checked against no
+speculation.
+
+Each row is ``--repeats`` A/B pairs: a run without speculation (A) and one with the
+configuration (B) right after it, the order flipping from pair to pair (A B, B A, ...), so
+load that drifts on the shared box favours neither. The speedup of a pair is A's TPOT / B's;
+a row prints the median over its pairs with the smallest and largest (the spread). The goals
+(issue 24): n-gram >= 1.5x on the repetitive workload at batch 1, and >= 0.95x (never more
+than 5% slower) on the free-form one.
 
 TPOT per request = (finish - first token) / (output tokens - 1); acceptance = accepted draft
-tokens / draft tokens; tokens per verify step = 1 + accepted / drafts. On the shared 2-vCPU
-box the TPOT ratios move by tens of percent with the other processes' load (compare the rows
-of a configuration that drafts nothing); acceptance and tokens per step do not depend on it.
+tokens / draft tokens; tokens per verify step = 1 + accepted / drafts. The CPU-time speedup
+is the same ratio in this process's CPU seconds after every request's first token: the work
+each engine did, which other processes' load moves far less than wall time (with
+``--threads 1``; spinning pool threads count too).
 
-    python bench/spec_decode.py [--repeats 3] [--max-tokens 96] [--threads 2]
+    python bench/spec_decode.py [--repeats 6] [--max-tokens 96] [--threads 2]
+        [--batches 1,8] [--workloads repetitive,free-form] [--configs "ngram k=4"]
         [--json bench/results/spec_decode.json]
 """
 
@@ -96,6 +105,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> d
     done: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
     before = engine.stats().spec_decode
+    cpu_start: float | None = None  # process CPU time once every request has its first token
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params, RequestOutputKind.DELTA)
         tokens[str(i)] = []
@@ -109,6 +119,10 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> d
             tokens[out.request_id].extend(new)
             if out.finished:
                 done[out.request_id] = now
+        if cpu_start is None and len(first) == len(prompts):
+            cpu_start = time.process_time()
+    assert cpu_start is not None
+    cpu_s = time.process_time() - cpu_start
     tpots = [(done[r] - first[r]) / (len(tokens[r]) - 1) for r in tokens if len(tokens[r]) > 1]
     after = engine.stats().spec_decode
     drafted = accepted = drafts = 0
@@ -118,6 +132,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> d
         drafts = after.num_drafts - (before.num_drafts if before else 0)
     return {
         "tpot_s": statistics.mean(tpots),
+        "decode_cpu_s": cpu_s,
         "tokens": [tokens[str(i)] for i in range(len(prompts))],
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
@@ -125,15 +140,43 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> d
     }
 
 
+def ab_runs(
+    engines: dict[str, LLMEngine], name: str, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[list[dict], list[dict]]:
+    """``--repeats`` pairs of runs without speculation (A) and with ``name`` (B), one right
+    after the other, the order flipping each pair (A B, B A, ...) so drift favours neither."""
+    plain: list[dict] = []
+    spec: list[dict] = []
+    for repeat in range(args.repeats):
+        pair = [("none", plain), (name, spec)]
+        for config, runs in pair if repeat % 2 == 0 else pair[::-1]:
+            runs.append(run_batch(engines[config], prompts, args.max_tokens))
+    return plain, spec
+
+
+def spread(values: list[float]) -> str:
+    """``median [min, max]``."""
+    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=6, help="A/B pairs per row")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument(
+        "--configs", default="ngram k=4", help=f"comma-separated, of: {', '.join(CONFIGS)}"
+    )
     parser.add_argument("--json", default="bench/results/spec_decode.json")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    workloads = args.workloads.split(",")
+    configs = args.configs.split(",")
+    for name in configs:
+        if name not in CONFIGS or name == "none":
+            parser.error(f"unknown config {name!r}")
 
     engines = {
         name: LLMEngine.from_engine_args(
@@ -142,60 +185,59 @@ def main() -> None:
                 num_kv_blocks=1024,
                 num_threads=args.threads,
                 enable_prefix_caching=False,
-                speculative_config=spec,
+                speculative_config=CONFIGS[name],
             )
         )
-        for name, spec in CONFIGS.items()
+        for name in ["none", *configs]
     }
     tokenizer = engines["none"].tokenizer
     prompts = {
-        w: [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in texts]
-        for w, texts in WORKLOADS.items()
+        w: [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in WORKLOADS[w]]
+        for w in workloads
     }
-    # [workload][batch][config] -> list of runs
-    runs: dict = {w: {b: {c: [] for c in CONFIGS} for b in batches} for w in WORKLOADS}
     for engine in engines.values():  # warm-up
-        run_batch(engine, prompts["free-form"][:1], 4)
-    names = list(engines)
-    for repeat in range(args.repeats):
-        # Each repeat starts with another configuration: load that drifts does not favour one.
-        order = names[repeat % len(names) :] + names[: repeat % len(names)]
-        for workload, texts in prompts.items():
-            for batch in batches:
-                batch_prompts = [texts[i % len(texts)] for i in range(batch)]
-                for name in order:
-                    engine = engines[name]
-                    runs[workload][batch][name].append(
-                        run_batch(engine, batch_prompts, args.max_tokens)
-                    )
+        run_batch(engine, prompts[workloads[0]][:1], 4)
 
     cpu = (
         subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True)
         .stdout.split(":")[-1]
         .strip()
     )
-    print(f"CPU: {cpu}; load average {os.getloadavg()}; threads {args.threads}")
-    header = f"{'workload':<11} {'batch':>5} {'config':<20} {'TPOT ms':>8} {'vs none':>8} "
-    header += f"{'accept':>7} {'tok/step':>8} {'greedy ==':>9}"
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    header = f"{'workload':<11} {'batch':>5} {'config':<20} {'TPOT ms none':>12} "
+    header += f"{'TPOT ms spec':>12} {'speedup median [min, max]':>26} "
+    header += f"{'CPU-time speedup':>26} {'accept':>7} "
+    header += f"{'tok/step':>8} {'greedy ==':>9}"
     print(header)
     rows = []
-    for workload in WORKLOADS:
+    for workload in workloads:
         for batch in batches:
-            base = statistics.median(r["tpot_s"] for r in runs[workload][batch]["none"])
-            base_tokens = runs[workload][batch]["none"][0]["tokens"]
-            for name in CONFIGS:
-                rs = runs[workload][batch][name]
-                tpot = statistics.median(r["tpot_s"] for r in rs)
-                drafted = sum(r["draft_tokens"] for r in rs)
-                accepted = sum(r["accepted_tokens"] for r in rs)
-                drafts = sum(r["drafts"] for r in rs)
-                same = all(r["tokens"] == base_tokens for r in rs)
+            texts = prompts[workload]
+            batch_prompts = [texts[i % len(texts)] for i in range(batch)]
+            for name in configs:
+                plain, spec = ab_runs(engines, name, batch_prompts, args)
+                # One speedup per A/B pair: none's TPOT / the speculating engine's.
+                ratios = [a["tpot_s"] / b["tpot_s"] for a, b in zip(plain, spec, strict=True)]
+                # The same in CPU seconds of this process after the first tokens: the work
+                # done, less moved by other processes' load than wall time.
+                cpu_ratios = [
+                    a["decode_cpu_s"] / b["decode_cpu_s"] for a, b in zip(plain, spec, strict=True)
+                ]
+                drafted = sum(r["draft_tokens"] for r in spec)
+                accepted = sum(r["accepted_tokens"] for r in spec)
+                drafts = sum(r["drafts"] for r in spec)
+                same = all(r["tokens"] == plain[0]["tokens"] for r in plain + spec)
                 row = {
                     "workload": workload,
                     "batch": batch,
                     "config": name,
-                    "tpot_ms": tpot * 1e3,
-                    "speedup": base / tpot,
+                    "tpot_ms_none": [r["tpot_s"] * 1e3 for r in plain],
+                    "tpot_ms_spec": [r["tpot_s"] * 1e3 for r in spec],
+                    "speedups": ratios,
+                    "speedup_median": statistics.median(ratios),
+                    "cpu_speedups": cpu_ratios,
+                    "cpu_speedup_median": statistics.median(cpu_ratios),
                     "acceptance": accepted / drafted if drafted else None,
                     "tokens_per_step": 1 + accepted / drafts if drafts else None,
                     "greedy_identical": same,
@@ -203,14 +245,24 @@ def main() -> None:
                 rows.append(row)
                 acc = f"{row['acceptance']:.2f}" if drafted else "-"
                 per_step = f"{row['tokens_per_step']:.2f}" if drafts else "-"
+                none_ms = statistics.median(row["tpot_ms_none"])
+                spec_ms = statistics.median(row["tpot_ms_spec"])
                 print(
-                    f"{workload:<11} {batch:>5} {name:<20} {tpot * 1e3:>8.1f} "
-                    f"{base / tpot:>7.2f}x {acc:>7} {per_step:>8} {str(same):>9}"
+                    f"{workload:<11} {batch:>5} {name:<20} {none_ms:>12.1f} {spec_ms:>12.1f} "
+                    f"{spread(ratios):>26} {spread(cpu_ratios):>26} {acc:>7} {per_step:>8} "
+                    f"{str(same):>9}",
+                    flush=True,
                 )
+    print(
+        f"CPU: {cpu}; load average before {load_before}, after {os.getloadavg()}; "
+        f"threads {args.threads}; {args.repeats} A/B pairs per row; "
+        f"{time.perf_counter() - start:.0f} s"
+    )
     result = {
         "cpu": cpu,
         "platform": platform.platform(),
-        "load_average": os.getloadavg(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
         "threads": args.threads,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,

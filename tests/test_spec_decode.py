@@ -142,7 +142,8 @@ def test_all_accepted_drafts_emit_k_plus_one_tokens_per_step(tiny_llama_path, sp
         model=str(tiny_llama_path),
         max_model_len=MAX_MODEL_LEN,
         num_kv_blocks=256,
-        speculative_config=spec_configs["draft_same"],
+        # No back-off, so no single-token probe before the first accepted draft.
+        speculative_config={**spec_configs["draft_same"], "min_acceptance_rate": 0.0},
     )
     llm.generate(PROMPTS[:1], greedy(21))
     stats = llm.engine.stats().spec_decode
@@ -210,7 +211,8 @@ def test_abort_mid_speculation_frees_everything(tiny_llama_path, spec_configs):
         model=str(tiny_llama_path),
         max_model_len=MAX_MODEL_LEN,
         num_kv_blocks=64,
-        speculative_config=spec_configs["eagle"],
+        # No back-off: the random head's drafts fail, yet every step drafts.
+        speculative_config={**spec_configs["eagle"], "min_acceptance_rate": 0.0},
     )
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS):

@@ -48,9 +48,15 @@ if TYPE_CHECKING:
 # Acceptance back-off: a request whose recent acceptance (an exponential average over its
 # verify steps) falls below ``min_acceptance_rate`` skips steps, 8 the first time, twice as
 # many each time in a row (at most 64); a verify step that accepts a draft resets it.
+# The average starts at ``min_acceptance_rate`` (and restarts there after skipping): until
+# a draft of the request has been accepted one failed verify step backs it off, and it
+# drafts a single token (a probe: a 2-row verify costs little more than a decode) while its
+# average is below PROBE_RATE. A failing draft then costs one extra row now and then, which
+# keeps speculation on free-form text close to plain decoding.
 BACKOFF_STEPS = 8
 MAX_BACKOFF_STEPS = 64
 ACCEPTANCE_DECAY = 0.5
+PROBE_RATE = 0.5
 
 
 class Proposer(Protocol):
@@ -96,7 +102,7 @@ def speculates(request: Request) -> bool:
 
 @dataclass
 class _Acceptance:
-    rate: float = 1.0
+    rate: float
     skip_steps: int = 0
     next_backoff: int = BACKOFF_STEPS
 
@@ -156,6 +162,8 @@ class SpecDecoder:
             k = self._num_drafts(request)
             if k < 1:
                 continue
+            if self._probing(request.req_id):
+                k = 1
             if self.proposer.needs_slots and not self.kv.allocate_slots(request, k + 1):
                 continue  # no room to draft: this request decodes one token
             requests.append(request)
@@ -214,6 +222,8 @@ class SpecDecoder:
             if not self.proposer.can_draft_on_arrival(request):
                 continue
             k = min(self._num_drafts(request), room)
+            if self._probing(request.req_id):
+                k = min(k, 1)
             if k < 1 or not self.kv.allocate_slots(request, k + 1):
                 continue
             room -= k
@@ -225,7 +235,6 @@ class SpecDecoder:
             drafts = self.proposer.propose([r for _, r in arrivals], counts)
         for (seq, request), k, draft in zip(arrivals, counts, drafts, strict=True):
             draft = list(draft[:k])
-            self._acceptance.setdefault(request.req_id, _Acceptance())
             if len(draft) < k:
                 self.kv.trim(request, request.num_tokens + len(draft))
             if not draft:
@@ -236,8 +245,19 @@ class SpecDecoder:
             seq.block_table = list(request.block_table)
             scheduled.num_batched_tokens += len(draft)
 
+    def _state(self, req_id: str) -> _Acceptance:
+        state = self._acceptance.get(req_id)
+        if state is None:
+            state = self._acceptance[req_id] = _Acceptance(self.config.min_acceptance_rate)
+        return state
+
+    def _probing(self, req_id: str) -> bool:
+        """Whether the request drafts one token only: its drafts have not proved themselves
+        (never with back-off off: ``min_acceptance_rate`` 0)."""
+        return self.config.min_acceptance_rate > 0 and self._state(req_id).rate < PROBE_RATE
+
     def _backing_off(self, req_id: str) -> bool:
-        state = self._acceptance.setdefault(req_id, _Acceptance())
+        state = self._state(req_id)
         if state.skip_steps > 0:
             state.skip_steps -= 1
             if state.skip_steps == 0:
@@ -248,7 +268,7 @@ class SpecDecoder:
 
     def _record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.counters.record(num_drafts, num_accepted)
-        state = self._acceptance.setdefault(req_id, _Acceptance())
+        state = self._state(req_id)
         rate = num_accepted / num_drafts
         state.rate = ACCEPTANCE_DECAY * state.rate + (1 - ACCEPTANCE_DECAY) * rate
         if num_accepted:
