@@ -2,11 +2,19 @@
 
 Offline engine, default model (SmolLM2-135M, 49,152-token vocabulary), fp32, 1 torch thread.
 Each batch (1 and 32) runs the same prompts free (ignore_eos) and constrained, alternating
-free, constrained, free, constrained, ...; the grammars cannot end before ``--tokens``
-tokens, so both produce exactly that many. Each constraint runs twice per round: as the
-engine runs it (the token bitmask filled on the grammar manager's thread while the forward
-pass runs) and with the fill inline (on the engine thread before the forward pass, as the
-engine did before the fill thread), so the overlap's gain is measured side by side.
+free and constrained runs within each round; the grammars cannot end before ``--tokens``
+tokens, so every run produces exactly that many. Greedy (temperature 0) runs, each
+constraint two ways:
+
+- as the engine runs it here (the kernels take every core): rows sampled unmasked, each
+  pick checked by its matcher, a bitmask row filled and applied only where the grammar
+  refuses the pick or forces bytes;
+- ``fill ahead``: every row's bitmask filled on the grammar manager's thread while the
+  forward pass runs (what the engine does where a core is free), picks checked on its bits.
+
+Both must give the same tokens (checked). Then sampled runs (temperature 1, seeded), free
+against constrained: a sampled row is masked before it samples (every row filled and
+applied each step).
 Per-token time = (time for N tokens - time for 1 token) / (N - 1), which leaves the prompt
 out. Constraints:
 
@@ -15,8 +23,9 @@ out. Constraints:
 - ``json bounded``: the same with 2-12 characters per string (``minLength``/``maxLength``
   are outside llguidance's precomputed token sets for JSON strings: each mask costs more).
 
-Then the cost of its parts at batch 32 (mask fill by llguidance, bitmask applied to the
-logits), and compile time: the first compile of each schema (its own cache key) and a
+Then the cost of its parts at batch 1 and 32 (mask fill by llguidance for every row, the
+bitmask applied to the logits, and the check of each row's pick without a mask), and
+compile time: the first compile of each schema (its own cache key) and a
 cache hit.
 
 ``--compare-xgrammar`` (needs ``pip install xgrammar``, not a dependency) compares the two
@@ -37,10 +46,8 @@ import statistics
 import subprocess
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -51,6 +58,7 @@ from neuron_runtime.structured_output import (
     StructuredOutputsParams,
     apply_grammar_bitmasks,
 )
+from neuron_runtime.structured_output.bitmask import fix_greedy_tokens
 
 PROMPT = "Write a list of {i} words about the sea:"
 COMPILE_SCHEMAS = {
@@ -118,83 +126,108 @@ def per_token(llm: LLM, prompts: list[str], params: SamplingParams, tokens: int)
     return (full - first) / (tokens - 1)
 
 
-class InlineFill:
-    """Stands in for the grammar manager's fill thread: runs each fill at once on the engine
-    thread, before the step's forward pass."""
-
-    def submit(self, fn: Any, *args: Any) -> Future:
-        done: Future = Future()
-        done.set_result(fn(*args))
-        return done
-
-
 @contextmanager
-def fill_inline(llm: LLM) -> Iterator[None]:
+def fill_ahead(llm: LLM) -> Iterator[None]:
+    """Every bitmask row filled on the grammar manager's thread during the forward pass."""
     manager = llm.engine.structured
-    threaded, manager._fill_thread = manager._fill_thread, InlineFill()
+    default, manager.fill_ahead = manager.fill_ahead, True
     try:
         yield
     finally:
-        manager._fill_thread = threaded
+        manager.fill_ahead = default
 
 
 def decode_overhead(llm: LLM, batch: int, tokens: int, repeats: int) -> dict:
     prompts = [PROMPT.format(i=i) for i in range(batch)]
-    free = SamplingParams(temperature=0, ignore_eos=True)
-    runs: dict[str, list[float]] = {"free": []}
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, seed=1, ignore_eos=True)
     kinds = constraints(tokens)
+    runs: dict[str, list[float]] = {"free": [], "free sampled": []}
     for kind in kinds:
         runs[kind] = []
-        runs[f"{kind} inline"] = []
-    per_token(llm, prompts, free, 4)  # warm up (kernels, caches)
+        runs[f"{kind} fill ahead"] = []
+        runs[f"{kind} sampled"] = []
+    per_token(llm, prompts, greedy, 4)  # warm up (kernels, caches)
     for params in kinds.values():  # compile once: the timed runs hit the cache
         per_token(llm, prompts, SamplingParams(temperature=0, structured_outputs=params), 4)
     for _ in range(repeats):
-        runs["free"].append(per_token(llm, prompts, free, tokens))
+        runs["free"].append(per_token(llm, prompts, greedy, tokens))
         for kind, params in kinds.items():
             constrained = SamplingParams(temperature=0, structured_outputs=params)
             runs[kind].append(per_token(llm, prompts, constrained, tokens))
-            with fill_inline(llm):
-                runs[f"{kind} inline"].append(per_token(llm, prompts, constrained, tokens))
+            with fill_ahead(llm):
+                runs[f"{kind} fill ahead"].append(per_token(llm, prompts, constrained, tokens))
+        runs["free sampled"].append(per_token(llm, prompts, sampled, tokens))
+        for kind, params in kinds.items():
+            constrained = SamplingParams(temperature=1.0, seed=1, structured_outputs=params)
+            runs[f"{kind} sampled"].append(per_token(llm, prompts, constrained, tokens))
+    for kind, params in kinds.items():  # the two ways of filling give the same tokens
+        constrained = SamplingParams(temperature=0, max_tokens=tokens, structured_outputs=params)
+        on_demand = [o.outputs[0].token_ids for o in llm.generate(prompts, constrained)]
+        with fill_ahead(llm):
+            ahead = [o.outputs[0].token_ids for o in llm.generate(prompts, constrained)]
+        assert on_demand == ahead, kind
     medians = {k: statistics.median(v) for k, v in runs.items()}
+
+    def base(k: str) -> float:
+        return medians["free sampled" if k.endswith("sampled") else "free"]
+
     return {
         "batch": batch,
         "per_token_ms": {k: 1e3 * v for k, v in medians.items()},
-        "overhead": {k: medians[k] / medians["free"] - 1 for k in runs if k != "free"},
+        "overhead": {k: medians[k] / base(k) - 1 for k in runs if not k.startswith("free")},
         "runs_ms": {k: [1e3 * x for x in v] for k, v in runs.items()},
     }
 
 
 def parts_at_batch(llm: LLM, batch: int, kind: str, steps: int = 48) -> dict:
-    """Mask fill (llguidance, one call for the batch) and the bitmask applied to [B, V], with
-    every row of the batch stepping through the same valid answer."""
-    manager = StructuredOutputManager(llm.engine.structured.compiler)
+    """Per step, with every row of the batch stepping through the same valid answer: the mask
+    fill for every row (llguidance, one call for the batch, timed to completion), that
+    bitmask applied to [B, V] logits, and the check of each row's pick without a mask (rows
+    filled on demand; logits whose argmax is the answer's token, so no row is masked)."""
+    compiler = llm.engine.structured.compiler
+    ahead = StructuredOutputManager(compiler)
+    on_demand = StructuredOutputManager(compiler, fill_ahead=False)
     params = constraints(steps)[kind]
     ids = [f"r{i}" for i in range(batch)]
-    for req_id in ids:
-        manager.add(req_id, params)
-    while not all(manager.status(r, [])[0] for r in ids):
-        manager.wait_for_compiles(0.1)
+    for manager in (ahead, on_demand):
+        for req_id in ids:
+            manager.add(req_id, params)
+        while not all(manager.status(r, [])[0] for r in ids):
+            manager.wait_for_compiles(0.1)
     words = [chr(97 + i % 26) + chr(97 + i // 26) for i in range(steps)]
     text = " ".join(words) + " " if kind == "regex" else json.dumps(words, separators=(",", ":"))
     tokens = llm.get_tokenizer().encode(text, add_special_tokens=False)[:steps]
     logits = torch.randn(batch, llm.engine.config.model.vocab_size)
-    fill, apply = [], []
+    fill, apply, check, masked = [], [], [], 0
     for token in tokens:
         start = time.perf_counter()
-        rows = manager.bitmask(ids)
+        rows = ahead.bitmask(ids)
         rows[ids[0]].get()  # the fill runs on the manager's thread: wait for it
         fill.append(time.perf_counter() - start)
         start = time.perf_counter()
         apply_grammar_bitmasks(logits, [rows[r] for r in ids])
         apply.append(time.perf_counter() - start)
+        picks = torch.full((batch,), token)
+        start = time.perf_counter()
+        rows = on_demand.bitmask(ids)
+        fixed = fix_greedy_tokens(logits, picks, [rows[r] for r in ids])
+        check.append(time.perf_counter() - start)
+        assert torch.equal(fixed, picks)
+        masked += sum(rows[r].filled.done() for r in ids)  # filled: forced bytes
+        for manager in (ahead, on_demand):
+            for req_id in ids:
+                assert manager.accept(req_id, token)
+    for manager in (ahead, on_demand):
         for req_id in ids:
-            assert manager.accept(req_id, token)
+            manager.release(req_id)
     return {
         "batch": batch,
         "kind": kind,
         "mask_fill_ms": 1e3 * statistics.median(fill),
         "bitmask_apply_ms": 1e3 * statistics.median(apply),
+        "check_ms": 1e3 * statistics.median(check),
+        "rows_filled_by_check": masked / (batch * len(tokens)),
     }
 
 
@@ -388,24 +421,29 @@ def main() -> None:
         f" -> {result['machine_end']['load_average']}, {args.threads} thread(s)"
     )
     print(
-        "\n| batch | constraint | free ms/token | fill overlapped: ms/token (overhead) "
-        "| fill inline: ms/token (overhead) |"
+        "\n| batch | constraint | free ms/token | greedy: ms/token (overhead) "
+        "| greedy, fill ahead | free sampled ms/token | sampled (overhead) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for row in result["decode"]:
         ms, over = row["per_token_ms"], row["overhead"]
         for k in constraints(args.tokens):
-            inline = f"{k} inline"
+            ahead, sampled = f"{k} fill ahead", f"{k} sampled"
             print(
                 f"| {row['batch']} | {k} | {ms['free']:.2f} | {ms[k]:.2f} ({over[k]:+.1%}) "
-                f"| {ms[inline]:.2f} ({over[inline]:+.1%}) |"
+                f"| {ms[ahead]:.2f} ({over[ahead]:+.1%}) | {ms['free sampled']:.2f} "
+                f"| {ms[sampled]:.2f} ({over[sampled]:+.1%}) |"
             )
-    print("\n| batch | constraint | mask fill ms/step | bitmask apply ms/step |")
-    print("|---|---|---|---|")
+    print(
+        "\n| batch | constraint | mask fill ms/step | bitmask apply ms/step "
+        "| check picks ms/step | rows filled by the check |"
+    )
+    print("|---|---|---|---|---|---|")
     for row in result["parts"]:
         print(
             f"| {row['batch']} | {row['kind']} | {row['mask_fill_ms']:.3f} "
-            f"| {row['bitmask_apply_ms']:.3f} |"
+            f"| {row['bitmask_apply_ms']:.3f} | {row['check_ms']:.3f} "
+            f"| {row['rows_filled_by_check']:.0%} |"
         )
     overlap = result["fill_beside_forward_ms"]
     print("\n| batch 32 regex, ms per step | " + " | ".join(overlap) + " |")
