@@ -14,7 +14,8 @@ heads x 64, 720 KiB of KV per 16-token block):
    prefill actor's export: the Ray hop, the receive (the peer loaded once), then nixl: the
    wait for the engine to start the read, the read, and the read with the decode engine's
    first step (they overlap: each layer waits only for its own blocks); object_store: the
-   payload's import and the first step. ``vs colocated`` is total / the colocated step.
+   payload's import and the first step; nixl-whole: the same read waited for whole before
+   the first step (no overlap). ``vs colocated`` is total / the colocated step.
 3. End to end, the colocated app and the disaggregated app over each transport, loaded in
    turn (A B C A B C ...): TTFT, TPOT and the second token's latency, p50 / p99.
 
@@ -42,6 +43,9 @@ from local_cluster import start_local_serve, stop_local_serve  # noqa: E402
 from serve import http_request, summarize  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
+# The second token's paths: nixl-whole is a NIXL read the request waits for whole before its
+# first step (no layer-wise overlap), for comparison.
+SECOND = ("nixl", "nixl-whole", "object_store")
 APPS = {
     "colocated": ("colocated", "object_store"),
     "pd-object_store": ("disaggregated", "object_store"),
@@ -111,10 +115,19 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
                         times.append(time.perf_counter())
             return times[1] - times[0]
 
-        async def second_token(self, transport: str, handoff, prompt: list[int], sent: float):  # noqa: ANN001, ANN201
+        async def second_token(  # noqa: ANN201
+            self,
+            transport: str,
+            handoff,  # noqa: ANN001
+            prompt: list[int],
+            sent: float,
+            overlap: bool = True,
+        ):
             """The decode replica's path after the prefill replica's export: the ticket's
             arrival, the receive, the engine's read (or payload import), its first decode
-            step; wall-clock times relative to ``sent`` (time.time() at export)."""
+            step; wall-clock times relative to ``sent`` (time.time() at export). Without
+            ``overlap`` a block read completes before the request's first step (as a read
+            that is not layer-wise)."""
             import dataclasses
 
             from neuron_runtime import RequestOutputKind, SamplingParams
@@ -124,6 +137,8 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
             start = time.perf_counter()
             kv = await self.transports[transport].receive(handoff, 30.0)
             received = time.perf_counter()
+            if isinstance(kv, KVBlockSource) and not overlap:
+                kv.layer_wise = False
             params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
             self.engine.add_request(
                 "d",
@@ -234,9 +249,11 @@ def second_token(args: argparse.Namespace, lengths: list[int]) -> dict:
     rng = random.Random(2)
     rows: dict = {}
 
-    def handed_off(transport: str, prompt: list[int]) -> dict:
+    def handed_off(name: str, prompt: list[int]) -> dict:
+        transport = name.removesuffix("-whole")
         handoff, _, sent = ray.get(prefill.prefill.remote(transport, prompt))
-        row = ray.get(decode.second_token.remote(transport, handoff, prompt, sent))
+        overlap = not name.endswith("-whole")
+        row = ray.get(decode.second_token.remote(transport, handoff, prompt, sent, overlap))
         deadline = time.monotonic() + 10
         while ray.get(prefill.held_blocks.remote()):
             assert time.monotonic() < deadline, "prefill blocks still held"
@@ -246,12 +263,12 @@ def second_token(args: argparse.Namespace, lengths: list[int]) -> dict:
     for transport in ("nixl", "object_store"):  # warm-up: the peer's agent loaded, connected
         handed_off(transport, random_prompt(rng, 32))
     for length in lengths:
-        samples: dict[str, list[dict]] = {"colocated": [], "nixl": [], "object_store": []}
+        samples: dict[str, list[dict]] = {"colocated": [], **{name: [] for name in SECOND}}
         for _ in range(args.requests):
             prompt = random_prompt(rng, length)
             ms = ray.get(decode.colocated.remote(prompt)) * 1e3
             samples["colocated"].append({"total_ms": ms, "step_ms": ms})
-            for transport in ("nixl", "object_store"):
+            for transport in SECOND:
                 row = handed_off(transport, prompt)
                 row["vs_colocated"] = row["total_ms"] / ms
                 samples[transport].append(row)
