@@ -106,7 +106,7 @@ class OnlineCheck:
 class OnlineValidationStats:
     checks: int  # requests compared
     failures: int  # of those, past tolerance
-    dropped: int  # sampled but not checked: the queue was full or the reference unavailable
+    dropped: int  # sampled, not checked: queue full, reference unavailable, the check raised
     pending: int  # waiting for the worker
 
 
@@ -121,8 +121,8 @@ class OnlineValidator:
     """The sampling decision, the bounded queue and the worker thread (module docstring).
 
     ``on_check`` is called with each ``OnlineCheck`` on the worker thread, ``on_drop`` with
-    each dropped check (on the engine loop, or on the worker when the reference did not load):
-    both feed the replica's metrics.
+    each dropped check (on the engine loop; on the worker for a check that raised): both feed
+    the replica's metrics.
     """
 
     def __init__(
@@ -141,7 +141,6 @@ class OnlineValidator:
         self._checks = self._failures = self._dropped = 0
         self._unavailable = False  # the reference did not load: every sample is dropped
         self._thread: threading.Thread | None = None
-        self.last: OnlineCheck | None = None
 
     def attach(self, engine: LLMEngine) -> OnlineValidator:
         """Loads the reference of ``engine``'s checkpoint, starts the worker and has
@@ -153,10 +152,11 @@ class OnlineValidator:
         """
         model = engine.config.model
         reference = self._load_reference(model.path, model.architecture)
-        self._thread = threading.Thread(
-            target=self._run, args=(reference,), name="online-validation", daemon=True
-        )
-        self._thread.start()
+        if reference is not None:
+            self._thread = threading.Thread(
+                target=self._run, args=(reference,), name="online-validation", daemon=True
+            )
+            self._thread.start()
         engine.online_validation = self
         return self
 
@@ -167,16 +167,13 @@ class OnlineValidator:
     def submit(self, request_id: str, prompt_token_ids: list[int], logits: np.ndarray) -> bool:
         """Queues a check of ``logits`` [vocab] (the prompt's last position); False when it
         was dropped (queue full, reference unavailable). Never blocks."""
-        item = _Item(request_id, list(prompt_token_ids), logits)
+        if self._unavailable:
+            self._drop()
+            return False
         try:
-            if self._unavailable:
-                raise queue.Full
-            self._queue.put_nowait(item)
+            self._queue.put_nowait(_Item(request_id, list(prompt_token_ids), logits))
         except queue.Full:
-            with self._lock:
-                self._dropped += 1
-            if self.on_drop is not None:
-                self.on_drop()
+            self._drop()
             return False
         return True
 
@@ -214,24 +211,23 @@ class OnlineValidator:
             return None
         return reference
 
+    def _drop(self) -> None:
+        with self._lock:
+            self._dropped += 1
+        if self.on_drop is not None:
+            self.on_drop()
+
     def _run(self, reference: Any) -> None:
         _lower_thread_priority()
-        while True:
-            item = self._queue.get()
+        while (item := self._queue.get()) is not None:
             try:
-                if item is None:
-                    return
-                if reference is None:
-                    with self._lock:
-                        self._dropped += 1
-                    if self.on_drop is not None:
-                        self.on_drop()
-                    continue
                 self._check(reference, item)
-            except Exception:
-                logger.exception("online validation of request %s failed", item and item.request_id)
+            except Exception:  # counted as dropped; the worker goes on with the next check
+                logger.exception("online validation of request %s failed", item.request_id)
+                self._drop()
             finally:
                 self._queue.task_done()
+        self._queue.task_done()
 
     def _check(self, reference: Any, item: _Item) -> None:
         ids = torch.tensor([item.prompt_token_ids])
@@ -253,7 +249,6 @@ class OnlineValidator:
         with self._lock:
             self._checks += 1
             self._failures += not check.passed
-            self.last = check
         if not check.passed:
             t = self.tolerance
             logger.warning(
