@@ -1,9 +1,11 @@
 """Request migration: a stream whose replica was lost goes on elsewhere.
 
-The owner of a stream (the ingress for an LLMServer, the PD router for a DecodeServer) knows
-every token it has passed on. When the replica serving a request dies or its stream or step
-channel breaks, the owner resubmits the request with those tokens as already produced output
-(``GenerateRequest.resume_token_ids``, or a ticketless ``KVHandoff``): the new replica
+The owner of a stream (the ingress for an LLMServer or a PD router, the PD router for a
+DecodeServer) knows every token it has passed on. When the replica serving a request dies or
+its stream or step channel breaks, the owner resubmits the request with those tokens as
+already produced output (``resume_token_ids`` of a ``GenerateRequest``, or of a
+``DecodeRequest`` without a handoff; a PD router sends the former straight to a decode
+replica). An ``n > 1`` request resumes each unfinished sequence on its own. The new replica
 recomputes prompt + tokens, counts the tokens as output (penalties, ``max_tokens``, stop
 conditions) without sending them again, and samples the next one. Greedy requests therefore go
 on with exactly the tokens they would have produced. So do seeded ones: the lost replica's
