@@ -32,7 +32,9 @@ def pair(tiny_llama_path):
     """(prefill engine, its transport, decode engine, its transport)."""
     prefill = engine(tiny_llama_path, num_kv_blocks=64)
     decode = engine(tiny_llama_path, num_kv_blocks=192)
-    sender = NixlTransport(hold_timeout_s=5.0, publish=Published)
+    # Short: a failed read's notification can be lost (the decode side drops that peer at
+    # once), and then the hold's timeout frees the blocks.
+    sender = NixlTransport(hold_timeout_s=2.0, publish=Published)
     sender.attach(prefill, prefill.release_kv)
     receiver = NixlTransport(publish=Published)
     receiver.attach(decode, decode.abort_request)
@@ -125,13 +127,15 @@ def test_the_read_runs_under_the_first_decode_step_layer_by_layer(pair, referenc
 
 
 def test_a_read_slower_than_the_step_leaves_it_and_joins_later(pair, reference, monkeypatch):
-    """Layers that are not in within the join bound: that step's token of the request is
-    dropped, the request waits outside the batch until its read completes, then goes on
-    with the reference's tokens."""
+    """Layers that are not in within the join bound: that step's token of the (seeded)
+    request is dropped and its generator set back, the request waits outside the batch
+    while the running request beside it keeps decoding, then goes on with the reference's
+    tokens."""
     prefill, _, decode, _ = pair
-    tokens = prompts(1, base=60)[0]
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    want = run_all(reference, [("a", tokens, sp, {})])
+    tokens, other = prompts(2, base=60)
+    sp = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    other_sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = run_all(reference, [("a", tokens, sp, {}), ("b", other, other_sp, {})])
     monkeypatch.setattr(nixl_transport, "JOIN_WAIT_S", 0.01)
     plain_post = nixl_transport.NixlTransport.post
     posted = []
@@ -139,13 +143,15 @@ def test_a_read_slower_than_the_step_leaves_it_and_joins_later(pair, reference, 
     def slow_post(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         posted.append(time.perf_counter())
         if len(posted) > 1:
-            time.sleep(0.01)  # layers 1.. land after the join bound
+            time.sleep(0.3)  # layers 1.. land long after the join bound
         return plain_post(self, *args, **kwargs)
 
     monkeypatch.setattr(nixl_transport.NixlTransport, "post", slow_post)
 
     async def go() -> dict:
         handoff = await handed_off(pair, tokens, sp)
+        decode.add_request("b", {"prompt_token_ids": other}, other_sp, RequestOutputKind.DELTA)
+        decode.step()  # b's prompt: b is running when a arrives
         got = await decode_all(decode, [("a", tokens, sp, {"handoff": handoff})])
         await wait_released(prefill)
         got["read"] = handoff.kv
@@ -153,8 +159,10 @@ def test_a_read_slower_than_the_step_leaves_it_and_joins_later(pair, reference, 
 
     got = asyncio.run(go())
     assert got["read"].done_at is not None and got["read"].error is None
-    assert got["first_step"]["a"] > 0  # the overlapped step's token was dropped
+    assert got["first_step"]["a"] > 1  # the overlapped step's token was dropped
+    assert got["first_step"]["b"] == 0  # b decoded while a's KV landed
     assert got["tokens"]["a"] == want["a"].outputs[0].token_ids[1:]
+    assert got["tokens"]["b"] == want["b"].outputs[0].token_ids[1:]
     assert_idle(prefill)
     assert_idle(decode)
 
