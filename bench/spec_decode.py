@@ -11,8 +11,8 @@ head exists offline, so those proposers have nothing to show here beyond correct
 against no speculation. Greedy, fp32; every run's greedy tokens are checked against no
 speculation.
 
-Each row is ``--repeats`` A/B pairs: a run without speculation (A) and one with the
-configuration (B) right after it, the order flipping from pair to pair (A B, B A, ...), so
+Each row is ``--repeats`` A/B pairs on one engine: a run with its speculation switched off
+(A) and one with it (B) right after it, the order flipping from pair to pair (A B, B A, ...), so
 load that drifts on the shared box favours neither. The speedup of a pair is A's TPOT / B's;
 a row prints the median over its pairs with the smallest and largest (the spread). The goals
 (issue 24): n-gram >= 1.5x on the repetitive workload at batch 1, and >= 0.95x (never more
@@ -32,12 +32,14 @@ each engine did, which other processes' load moves far less than wall time (with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from neuron_runtime.engine import LLMEngine
@@ -75,8 +77,7 @@ WORKLOADS = {
         "Describe your ideal weekend in a few sentences.",
     ],
 }
-CONFIGS: dict[str, dict | None] = {
-    "none": None,
+CONFIGS: dict[str, dict] = {
     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
     "ngram k=4 no backoff": {
         "method": "ngram",
@@ -140,17 +141,34 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> d
     }
 
 
+@contextlib.contextmanager
+def speculation_off(engine: LLMEngine) -> Iterator[None]:
+    """The same engine without its SpecDecoder: the same weights and KV cache in memory, so
+    the A and B runs differ in speculation only (two engines' copies of the weights can sit
+    differently in memory and run at persistently different speeds)."""
+    spec = engine.spec
+    engine.spec = engine.runner.spec = None
+    try:
+        yield
+    finally:
+        engine.spec = engine.runner.spec = spec
+
+
 def ab_runs(
-    engines: dict[str, LLMEngine], name: str, prompts: list[list[int]], args: argparse.Namespace
+    engine: LLMEngine, prompts: list[list[int]], args: argparse.Namespace
 ) -> tuple[list[dict], list[dict]]:
-    """``--repeats`` pairs of runs without speculation (A) and with ``name`` (B), one right
-    after the other, the order flipping each pair (A B, B A, ...) so drift favours neither."""
+    """``--repeats`` pairs of runs of ``engine`` without speculation (A) and with it (B), one
+    right after the other, the order flipping each pair (A B, B A, ...) so drift favours
+    neither."""
     plain: list[dict] = []
     spec: list[dict] = []
     for repeat in range(args.repeats):
-        pair = [("none", plain), (name, spec)]
-        for config, runs in pair if repeat % 2 == 0 else pair[::-1]:
-            runs.append(run_batch(engines[config], prompts, args.max_tokens))
+        for speculate in (False, True) if repeat % 2 == 0 else (True, False):
+            if speculate:
+                spec.append(run_batch(engine, prompts, args.max_tokens))
+            else:
+                with speculation_off(engine):
+                    plain.append(run_batch(engine, prompts, args.max_tokens))
     return plain, spec
 
 
@@ -175,7 +193,7 @@ def main() -> None:
     workloads = args.workloads.split(",")
     configs = args.configs.split(",")
     for name in configs:
-        if name not in CONFIGS or name == "none":
+        if name not in CONFIGS:
             parser.error(f"unknown config {name!r}")
 
     engines = {
@@ -188,9 +206,9 @@ def main() -> None:
                 speculative_config=CONFIGS[name],
             )
         )
-        for name in ["none", *configs]
+        for name in configs
     }
-    tokenizer = engines["none"].tokenizer
+    tokenizer = engines[configs[0]].tokenizer
     prompts = {
         w: [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in WORKLOADS[w]]
         for w in workloads
@@ -216,7 +234,7 @@ def main() -> None:
             texts = prompts[workload]
             batch_prompts = [texts[i % len(texts)] for i in range(batch)]
             for name in configs:
-                plain, spec = ab_runs(engines, name, batch_prompts, args)
+                plain, spec = ab_runs(engines[name], batch_prompts, args)
                 # One speedup per A/B pair: none's TPOT / the speculating engine's.
                 ratios = [a["tpot_s"] / b["tpot_s"] for a, b in zip(plain, spec, strict=True)]
                 # The same in CPU seconds of this process after the first tokens: the work

@@ -414,4 +414,6 @@ def test_backoff_when_drafts_keep_failing(tiny_llama_path, spec_configs):
         stats = llm.engine.stats().spec_decode
         assert stats.num_accepted_tokens == 0
         counts[rate] = stats.num_drafts
+        if rate:  # never accepted: every draft was a single-token probe
+            assert stats.num_draft_tokens == stats.num_drafts
     assert counts[0.0] >= 40 and counts[0.1] <= 6
