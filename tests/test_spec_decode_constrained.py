@@ -172,6 +172,16 @@ class OracleProposer:
         pass
 
 
+class FixedProposer(OracleProposer):
+    """Drafts the same tokens after every request's last token."""
+
+    def __init__(self, draft: list[int]) -> None:
+        self.draft = draft
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        return [self.draft[:n] for n in num_tokens]
+
+
 # -- the verify step's bitmask rows -----------------------------------------------------------
 
 
@@ -388,6 +398,35 @@ def test_rejection_sampling_keeps_a_grammar_masked_distribution():
         chi2 = sum((counts[t] - total * float(p[t])) ** 2 / (total * float(p[t])) for t in row)
         critical = {3: 16.27, 4: 18.47}[len(row) - 1]
         assert chi2 < critical, (chi2, counts)
+
+
+def test_sampled_grammar_outputs_follow_the_distribution_without_speculation(
+    tiny_llama_path, monkeypatch
+):
+    """Temperature 1 under the regex [ab]{3} on a tiny random model: the texts with drafts
+    "a", "b", "a" (verified on rows masked after each draft prefix) follow the same
+    distribution as without speculation (two-sample chi-square, p = 0.001). Unseeded requests
+    (a seeded one draws its noise row by row) from a seeded global generator."""
+    torch.manual_seed(0)
+    args = dict(model=str(tiny_llama_path), max_model_len=64, num_kv_blocks=200, max_num_seqs=128)
+    num = 480
+    regex = StructuredOutputsParams(regex="[ab]{3}")
+    params = SamplingParams(temperature=1.0, max_tokens=6, structured_outputs=regex)
+    prompts = [[7, 8, 9, 10]] * num
+    plain = Counter(o.outputs[0].text for o in LLM(**args).generate(prompts, params))
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "min_acceptance_rate": 0.0}
+    llm = LLM(**args, speculative_config=speculative)
+    a, b = llm.engine.tokenizer.encode("a"), llm.engine.tokenizer.encode("b")
+    monkeypatch.setattr(llm.engine.spec, "proposer", FixedProposer(a + b + a))
+    spec = Counter(o.outputs[0].text for o in llm.generate(prompts, params))
+    stats = llm.engine.stats().spec_decode
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both outcomes happen
+    assert all(re.fullmatch("[ab]{3}", text) for text in plain | spec)
+    texts = sorted(plain | spec)
+    chi2 = sum((plain[t] - spec[t]) ** 2 / (plain[t] + spec[t]) for t in texts)
+    critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+    assert chi2 < critical[len(texts) - 1], (plain, spec)
+    assert_idle(llm)
 
 
 def test_sampled_constrained_requests_speculate_validate_and_repeat(spec, monkeypatch):
