@@ -8,6 +8,11 @@ al. / Chen et al. reads:
     when all k drafts are accepted, sample one more token from p_{k+1}.
 Each emitted token is then distributed exactly as the target's own sample at that position.
 Greedy requests accept while d_i equals the target's argmax and emit the argmax where they stop.
+
+Under a grammar, p_i is the target's distribution masked by the grammar after the output plus
+d_1 .. d_{i-1} (its own bitmask row; decoder.py), and drafts are cut before the first token the
+grammar refuses, so every d_i is allowed where it stands; the rule then holds as written (a
+draft with p_i(d_i) = 0, e.g. cut off by top-k, is always rejected).
 """
 
 from __future__ import annotations
