@@ -31,7 +31,7 @@ from deployments.step_channel import StepPublisher
 from neuron_runtime import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from neuron_runtime.kv_transfer import KVHandoff, KVMetadata
 from router.encoder_router import EncoderRouter
-from router.migration import Migrating, MigrationFailed, is_replica_lost
+from router.migration import Migrating, MigrationFailed, is_replica_lost, sequence_sampling
 from router.policies import ReplicaLoad, rendezvous_rank
 from router.streams import ChannelLost, StepSubscriber
 
@@ -114,6 +114,27 @@ def test_a_resumed_seeded_request_continues_with_the_unbroken_tokens(engine, sam
     assert unbroken[:9] + restarted != unbroken
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == 0
+
+
+def test_each_of_n_seeded_sequences_resumed_alone_continues_as_in_the_n_request(engine) -> None:
+    """What the ingress does with an n > 1 request whose replica was lost: each sequence goes
+    on as a single-sequence request with ``sequence_sampling``'s seed, after its own tokens."""
+    sampling = {"n": 2, "seed": 77, "temperature": 1.0, "max_tokens": 16, "ignore_eos": True}
+    engine.add_request(
+        "n2", {"prompt_token_ids": PROMPT}, SamplingParams(**sampling), RequestOutputKind.DELTA
+    )
+    unbroken: list[list[int]] = [[], []]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for completion in out.outputs:
+                unbroken[completion.index].extend(completion.token_ids)
+    assert unbroken[0] != unbroken[1]
+    metadata = KVMetadata.describe(engine.config.model, PROMPT)
+    for index, cut in ((0, 5), (1, 11)):
+        params = SamplingParams(**sequence_sampling(sampling, index))
+        handoff = KVHandoff(metadata, unbroken[index][:cut])
+        rest = run(engine, f"n2#{index}.m1", params, handoff=handoff)
+        assert unbroken[index][:cut] + rest == unbroken[index], index
 
 
 # -- Migrating over fake replica streams ------------------------------------------------------
