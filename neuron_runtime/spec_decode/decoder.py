@@ -51,12 +51,13 @@ if TYPE_CHECKING:
 # The average starts at ``min_acceptance_rate`` (and restarts there after skipping): until
 # a draft of the request has been accepted one failed verify step backs it off, and it
 # drafts a single token (a probe: a 2-row verify costs little more than a decode) while its
-# average is below PROBE_RATE. A failing draft then costs one extra row now and then, which
-# keeps speculation on free-form text close to plain decoding.
+# average is below PROBE_RATE (an accepted probe lifts it above; two failed steps in a row
+# after good ones bring it below). A failing draft then costs one extra row now and then,
+# which keeps speculation on free-form text close to plain decoding.
 BACKOFF_STEPS = 8
 MAX_BACKOFF_STEPS = 64
 ACCEPTANCE_DECAY = 0.5
-PROBE_RATE = 0.5
+PROBE_RATE = 0.3
 
 
 class Proposer(Protocol):
