@@ -181,8 +181,9 @@ class Call:
 
     path: str
     body: dict[str, Any]
-    # A completed stream's text is appended here when set (cases comparing outputs).
-    texts: list[str] | None = field(default=None, compare=False)
+    # A completed stream's text (n > 1: its choices' texts, in index order) is appended here
+    # when set (cases comparing outputs).
+    texts: list[str | tuple[str, ...]] | None = field(default=None, compare=False)
 
 
 def is_error_body(data: Any) -> bool:
@@ -231,8 +232,13 @@ def _stream_outcome(base: str, call: Call, deadline_s: float) -> str:
     errors = [e for e in events[:-1] if is_error_body(json.loads(e))]
     if not errors:
         if call.texts is not None:
-            chunks = [json.loads(e)["choices"] for e in events[:-1]]
-            call.texts.append("".join(c[0].get("text", "") for c in chunks if c))
+            by_index: dict[int, str] = {}
+            for event in events[:-1]:
+                for choice in json.loads(event)["choices"]:
+                    index = choice["index"]
+                    by_index[index] = by_index.get(index, "") + choice.get("text", "")
+            texts = tuple(by_index[i] for i in sorted(by_index))
+            call.texts.append(texts[0] if len(texts) == 1 else texts)
         return COMPLETED
     return FAILED_CLEANLY if errors == [events[-2]] else UNCLEAN
 
@@ -290,19 +296,27 @@ HEADER = (
 )
 
 
-def reference_texts(model_path: Any, calls: list[Call], max_model_len: int) -> list[str]:
-    """Each greedy completion call's text from the offline engine (the unbroken reference)."""
+def reference_texts(
+    model_path: Any, calls: list[Call], max_model_len: int
+) -> list[str | tuple[str, ...]]:
+    """Each completion call's text (n > 1: its choices' texts) from the offline engine, the
+    unbroken reference: greedy, or seeded with the call's sampling fields."""
     from neuron_runtime import LLM, SamplingParams
 
     llm = LLM(model=str(model_path), max_model_len=max_model_len, num_kv_blocks=128)
-    texts = []
+    texts: list[str | tuple[str, ...]] = []
     for call in calls:
         body = call.body
         params = SamplingParams(
-            temperature=0, max_tokens=body["max_tokens"], ignore_eos=body.get("ignore_eos", False)
+            temperature=body.get("temperature", 1.0),
+            seed=body.get("seed"),
+            n=body.get("n", 1),
+            max_tokens=body["max_tokens"],
+            ignore_eos=body.get("ignore_eos", False),
         )
         (out,) = llm.generate({"prompt_token_ids": body["prompt"]}, params)
-        texts.append(out.outputs[0].text)
+        choices = tuple(completion.text for completion in out.outputs)
+        texts.append(choices[0] if len(choices) == 1 else choices)
     return texts
 
 

@@ -1,10 +1,12 @@
-"""SIGKILL of a colocated LLMServer replica while greedy streams run on it.
+"""SIGKILL of a colocated LLMServer replica while greedy, seeded and seeded n = 2 streams
+run on it.
 
 One application on the shared cluster (conftest.serve_cluster), deployed through the config
 path: the ingress and two LLMServer replicas of the tiny random-weight Llama. The ingress
 resumes every stream of the dead replica on the other one (prompt + the tokens streamed so
-far recomputed there, router/migration.py): nothing fails or hangs, each stream equals the
-offline engine's, the app serves again within 30 s, Serve replaces the replica and every
+far recomputed there, each of n sequences on its own, a seeded generator replayed to where it
+was, router/migration.py): nothing fails or hangs, each stream (each choice) equals the
+offline engine's unbroken one, the app serves again within 30 s, Serve replaces the replica and every
 replica is back at its idle baseline.
 """
 
@@ -66,15 +68,18 @@ def colocated_app(serve_cluster, tiny_llama_path):
         serve.delete(APP)
 
 
-def stream(seed: int, max_tokens: int) -> Call:
+def stream(seed: int, max_tokens: int, sampled: bool = False, n: int = 1) -> Call:
+    """A greedy stream, or (``sampled``) a seeded temperature-1 one with ``n`` choices."""
     body = {
         "model": "tiny",
         "prompt": text_prompt(seed, 24),
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "temperature": 1.0 if sampled else 0,
         "ignore_eos": True,
         "stream": True,
     }
+    if sampled:
+        body.update(seed=seed, n=n)
     return Call("/v1/completions", body, texts=[])
 
 
@@ -87,7 +92,8 @@ def test_colocated_replica_killed_mid_stream_migrates(colocated_app, tiny_llama_
     case = ChaosCase(
         "colocated",
         "LLMServer",
-        [stream(i, 96) for i in range(12)],
+        # Greedy streams, seeded sampled ones, and seeded ones with two choices.
+        [stream(i, 96, sampled=i % 3 > 0, n=1 + i % 3 // 2) for i in range(12)],
         stream(1000, 4),
         concurrency=12,
         kill_after_s=1.0,
