@@ -26,8 +26,9 @@ replica loads a prefill agent the first time one of its tickets arrives. No sock
 Over UCX between two processes of one host (cross-memory attach) a READ copies in the call
 that posts it, on the posting thread: so a replica's reads are posted by its reader thread,
 and the copy of the later layers runs on another core while the engine computes the first
-ones. The request's first decode step then costs about what a colocated one does, plus the
-first layer's copy (or, when the copy is the slower, the copy).
+ones. Where a core and memory bandwidth are free the first decode step then costs about a
+colocated one plus the first layer's copy; on a busy two-core host the copy and the step
+slow each other down (README: the handoff figures). The engine's thread never copies.
 
 The prefill replica frees the blocks on that notification or ``hold_timeout_s`` after the
 export, whichever comes first; the decode side gives up a read that has not completed a
