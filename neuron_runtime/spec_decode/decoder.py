@@ -46,18 +46,17 @@ if TYPE_CHECKING:
     from neuron_runtime.model_runner import ModelRunner, ModelRunnerOutput, StepInputs
 
 # Acceptance back-off: a request whose recent acceptance (an exponential average over its
-# verify steps) falls below ``min_acceptance_rate`` skips steps, 8 the first time, twice as
-# many each time in a row (at most 64); a verify step that accepts a draft resets it.
-# The average starts at ``min_acceptance_rate`` (and restarts there after skipping): until
-# a draft of the request has been accepted one failed verify step backs it off, and it
-# drafts a single token (a probe: a 2-row verify costs little more than a decode) while its
-# average is below PROBE_RATE (an accepted probe lifts it above; two failed steps in a row
-# after good ones bring it below). A failing draft then costs one extra row now and then,
-# which keeps speculation on free-form text close to plain decoding.
+# verify steps, from 1.0) falls below ``min_acceptance_rate`` skips steps, 8 the first time,
+# twice as many each time in a row (at most 64); a verify step that accepts a draft resets it.
+# While the average is below PROBE_RATE (the step before a pause: three failed steps in a row
+# from a good average; and after a pause, when it restarts at ``min_acceptance_rate``) the
+# request drafts a single token, a probe: a 2-row verify costs little more than a decode, so
+# drafts that keep failing cost one extra row now and then, and an accepted probe lifts the
+# average back to full drafts.
 BACKOFF_STEPS = 8
 MAX_BACKOFF_STEPS = 64
 ACCEPTANCE_DECAY = 0.5
-PROBE_RATE = 0.3
+PROBE_RATE = 0.15
 
 
 class Proposer(Protocol):
@@ -103,7 +102,7 @@ def speculates(request: Request) -> bool:
 
 @dataclass
 class _Acceptance:
-    rate: float
+    rate: float = 1.0
     skip_steps: int = 0
     next_backoff: int = BACKOFF_STEPS
 
@@ -247,14 +246,11 @@ class SpecDecoder:
             scheduled.num_batched_tokens += len(draft)
 
     def _state(self, req_id: str) -> _Acceptance:
-        state = self._acceptance.get(req_id)
-        if state is None:
-            state = self._acceptance[req_id] = _Acceptance(self.config.min_acceptance_rate)
-        return state
+        return self._acceptance.setdefault(req_id, _Acceptance())
 
     def _probing(self, req_id: str) -> bool:
-        """Whether the request drafts one token only: its drafts have not proved themselves
-        (never with back-off off: ``min_acceptance_rate`` 0)."""
+        """Whether the request drafts one token only (see PROBE_RATE; never with back-off
+        off: ``min_acceptance_rate`` 0)."""
         return self.config.min_acceptance_rate > 0 and self._state(req_id).rate < PROBE_RATE
 
     def _backing_off(self, req_id: str) -> bool:
