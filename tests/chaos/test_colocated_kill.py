@@ -93,10 +93,10 @@ def test_colocated_replica_killed_mid_stream_migrates(colocated_app, tiny_llama_
         "colocated",
         "LLMServer",
         # Greedy streams, seeded sampled ones, and seeded ones with two choices.
-        [stream(i, 96, sampled=i % 3 > 0, n=1 + i % 3 // 2) for i in range(12)],
+        [stream(i, 200, sampled=i % 3 > 0, n=1 + i % 3 // 2) for i in range(12)],
         stream(1000, 4),
         concurrency=12,
-        kill_after_s=1.0,
+        kill_after_s=0.5,
         max_failed=0,
         migrations=lambda _: ingress_migrations(base),
     )
