@@ -5,6 +5,7 @@ batches), and KV blocks return to the baseline after rejections."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from conftest import make_tiny_llama
@@ -250,6 +251,27 @@ def test_ngram_propose():
     assert ngram_propose([1, 2, 3, 4], 3, 1, 3) == []
     assert ngram_propose([5, 5], 4, 2, 3) == []  # below prompt_lookup_min
     assert ngram_propose([7, 1, 7, 2, 7], 1, 1, 1) == [2]  # the latest earlier occurrence
+
+
+def test_ngram_propose_equals_a_plain_search():
+    """Against a token-by-token search, on ids whose bytes repeat across token boundaries
+    (the proposer searches the ids' bytes)."""
+
+    def plain(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+        length = len(tokens)
+        for n in range(min(max_n, length - 1), min_n - 1, -1):
+            for i in range(length - 1 - n, -1, -1):
+                if tokens[i : i + n] == tokens[length - n :]:
+                    return tokens[i + n : i + n + k]
+        return []
+
+    rng = random.Random(0)
+    values = [0, 1, 257, 65793, 16843009, 49151]  # 0x0101, 0x010101, 0x01010101
+    for _ in range(2000):
+        tokens = [rng.choice(values[: rng.randint(2, 6)]) for _ in range(rng.randint(1, 12))]
+        lo = rng.randint(1, 3)
+        args = (rng.randint(1, 4), lo, lo + rng.randint(0, 2))
+        assert ngram_propose(tokens, *args) == plain(tokens, *args), (tokens, args)
 
 
 @pytest.mark.parametrize(
