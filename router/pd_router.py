@@ -297,5 +297,3 @@ class PDRouter:
         if self.encoder is not None:
             probes.append(self.encoder.check_health())
         await asyncio.gather(*probes)
-
-

@@ -54,9 +54,12 @@ class BitmaskRow:
         canonical tokenization, while the matcher's check would also take a shorter prefix
         (``{`` where ``{"`` is forced), so the row is filled. The check refuses a few tokens
         the mask allows (EOS once the grammar has stopped): a refusal means fill and mask."""
-        if self.matcher is not None and not self.filled.done():
-            if not self.matcher.compute_ff_bytes():
-                return int(self.matcher.validate_tokens([token])) == 1
+        if (
+            self.matcher is not None
+            and not self.filled.done()
+            and not self.matcher.compute_ff_bytes()
+        ):
+            return int(self.matcher.validate_tokens([token])) == 1
         return bool((int(self.get()[token // 32]) >> (token % 32)) & 1)
 
     def _fill_here(self) -> None:

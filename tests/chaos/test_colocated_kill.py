@@ -6,8 +6,8 @@ path: the ingress and two LLMServer replicas of the tiny random-weight Llama. Th
 resumes every stream of the dead replica on the other one (prompt + the tokens streamed so
 far recomputed there, each of n sequences on its own, a seeded generator replayed to where it
 was, router/migration.py): nothing fails or hangs, each stream (each choice) equals the
-offline engine's unbroken one, the app serves again within 30 s, Serve replaces the replica and every
-replica is back at its idle baseline.
+offline engine's unbroken one, the app serves again within 30 s, Serve replaces the replica
+and every replica is back at its idle baseline.
 """
 
 from __future__ import annotations
