@@ -24,8 +24,9 @@ class ReplicaLoad:
 
 
 def power_of_two(replicas: Sequence[ReplicaLoad], rng: random.Random) -> list[ReplicaLoad]:
-    """Two random replicas, the shorter queue first (one when there is only one)."""
-    picked = list(replicas) if len(replicas) <= 2 else rng.sample(list(replicas), 2)
+    """Two random replicas, the shorter queue first (one when there is only one); equal
+    queues in random order, so two idle replicas share the work."""
+    picked = rng.sample(list(replicas), min(2, len(replicas)))
     return sorted(picked, key=lambda r: r.queue_len)
 
 

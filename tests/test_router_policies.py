@@ -37,6 +37,15 @@ def test_power_of_two_orders_by_queue_length():
     assert [r.replica_id for r in power_of_two(loads(3), rng)] == ["r0"]
 
 
+def test_power_of_two_breaks_ties_at_random():
+    import random
+
+    rng = random.Random(0)
+    firsts = [power_of_two(loads(2, 2), rng)[0].replica_id for _ in range(200)]
+    assert 60 < firsts.count("r0") < 140  # binomial(200, 0.5): outside this ~1e-8
+    assert all(power_of_two(loads(3, 1), rng)[0].replica_id == "r1" for _ in range(20))
+
+
 def test_affinity_prefers_the_replica_that_holds_the_prefix():
     policy = PrefixAffinityPolicy(min_match_share=0.5, seed=0)
     prompt = ["a", "b", "c", "d"]

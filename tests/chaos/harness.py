@@ -111,12 +111,16 @@ WITH_STATS = (*ENGINE_DEPLOYMENTS, "PDRouter", "VisionEncoder")
 HELD_FIELDS = ("num_kv_blocks_held", "num_kv_handoffs_held", "num_kv_reads", "num_grammar_states")
 
 
-def replica_stats(app: str, deployment: str, replica_ids: set[str]) -> dict[str, Any]:
-    """The stats of each replica in ``replica_ids`` (the handle routes calls at random; a call
-    that lands on a replica that just died is retried)."""
+def replica_stats(
+    app: str, deployment: str, replica_ids: set[str], timeout_s: float = 60.0
+) -> dict[str, Any]:
+    """The stats of each replica in ``replica_ids``. The handle's router picks the shorter
+    queue, so a replica still streaming is reached only once its queue is no longer; a call
+    that lands on a replica that just died is retried."""
     handle = serve.get_deployment_handle(deployment, app_name=app)
     seen: dict[str, Any] = {}
-    for _ in range(80):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         try:
             stats = handle.stats.remote().result(timeout_s=10)
         except Exception:  # noqa: BLE001 - a dead replica the handle has not dropped yet
@@ -127,6 +131,7 @@ def replica_stats(app: str, deployment: str, replica_ids: set[str]) -> dict[str,
             seen[replica_id] = stats
         if set(seen) == replica_ids:
             return seen
+        time.sleep(0.05)
     raise AssertionError(f"{deployment}: saw {sorted(seen)} of {sorted(replica_ids)}")
 
 
