@@ -88,9 +88,11 @@ class StepInputs:
     verify: list[tuple[ScheduledSeq, int]] = field(default_factory=list)
 
 
-def _decodes_first(seq: ScheduledSeq) -> tuple[bool, int]:
-    is_decode = len(seq.token_ids) == 1
-    return (not is_decode, seq.start_pos if is_decode else 0)
+def _decodes_first(seq: ScheduledSeq) -> tuple[int, int]:
+    """Decodes (by context length), then speculative slices, then prefill slices."""
+    if len(seq.token_ids) == 1:
+        return (0, seq.start_pos)
+    return (1 if seq.num_spec_tokens else 2, 0)
 
 
 def _cache_readers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
@@ -283,9 +285,13 @@ class ModelRunner:
             step.input_ids.extend(seq.token_ids)
             step.positions.extend(pos)
             step.slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
-            if n == 1 and not step.prefills:
-                step.decodes.block_tables.append(seq.block_table)
-                step.decodes.context_lens.append(seq.start_pos + 1)
+            as_decodes = n == 1 or (seq.num_spec_tokens > 0 and self.ops.decode_rows_any_order)
+            if as_decodes and not step.prefills:
+                # A speculative slice's row i sees the keys up to its own position: the same
+                # as a decode row with that context (its keys are written before attention).
+                for i in range(n):
+                    step.decodes.block_tables.append(seq.block_table)
+                    step.decodes.context_lens.append(seq.start_pos + 1 + i)
             else:
                 num_blocks = -(-(seq.start_pos + n) // bs)
                 block_ids = torch.tensor(seq.block_table[:num_blocks], device=self.device)

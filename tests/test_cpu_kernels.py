@@ -239,3 +239,33 @@ def test_engine_greedy_matches_transformers_with_and_without_kernels(
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
     for ids, out in zip(prompts, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(ref, ids, 16)
+
+
+def test_speculative_slice_as_decode_rows_equals_its_causal_prefill(k):
+    """The runner hands the kernels a speculative slice (the last token plus drafts, after a
+    cached context) as one decode row per position, row i with context ``start_pos + 1 + i``
+    and the slice's block table: the same as the torch path's causal prefill slice."""
+    torch.manual_seed(7)
+    kvh, heads, d, bs, num_blocks = 3, 9, 64, 16, 8
+    base_k = torch.randn(kvh, num_blocks, bs, d)
+    base_v = torch.randn(kvh, num_blocks, bs, d)
+    table = [5, 2, 7]
+    start, n = 29, 5  # rows at positions 29..33 cross from block 2 into block 7
+    slots = [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+    q, kk, vv = torch.randn(n, heads, d), torch.randn(n, kvh, d), torch.randn(n, kvh, d)
+    slot_mapping = torch.tensor(slots)
+    k_cache, v_cache = base_k.clone(), base_v.clone()
+    prefill = PrefillSlice(0, n, start, torch.tensor(table))
+    meta = AttentionMetadata(slot_mapping, 0, [prefill])
+    expected = TORCH_OPS.attention(q, kk, vv, k_cache, v_cache, meta, d**-0.5, None, None)
+    k_cache, v_cache = base_k.clone(), base_v.clone()
+    meta = KernelAttentionMetadata(
+        slot_mapping,
+        n,
+        [],
+        decode_tables=torch.tensor([table] * n),
+        decode_lens=torch.tensor([start + 1 + i for i in range(n)]),
+    )
+    assert CPUKernelOps.decode_rows_any_order
+    out = CPUKernelOps(k).attention(q, kk, vv, k_cache, v_cache, meta, d**-0.5, None, None)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=1e-5)

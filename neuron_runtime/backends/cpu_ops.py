@@ -43,6 +43,7 @@ class CPUKernelOps(Ops):
     """``Ops`` on the fused CPU kernels; inputs the kernels cannot take fall back to torch."""
 
     name = "cpu_kernels"
+    decode_rows_any_order = True  # paged_decode_attention: one block table and length per row
 
     def __init__(self, kernels: CPUKernels) -> None:
         self.kernels = kernels

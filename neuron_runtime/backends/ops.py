@@ -48,6 +48,9 @@ class Ops:
     """Eager torch ops: the reference implementation of the backend op set."""
 
     name = "torch"
+    # Whether decode attention takes its rows in any order of context length (each row its
+    # own block table and length); then speculative slices attend as decode rows.
+    decode_rows_any_order = False
 
     def attach(self, model: nn.Module) -> None:
         """Hands these ops to every module of ``model`` that has a place for them."""
