@@ -15,13 +15,19 @@ replica loads a prefill agent the first time one of its tickets arrives. No sock
                                                        the layouts; equal -> a block read
                                                       engine: allocates the prompt's blocks,
                                                        start(): the reader thread posts one
-                                                       READ per layer, in layer order (a
-                                                       descriptor per K/V, head, run of blocks)
+                                                       READ per layer, in layer order, by
+                                                       index into the prepared lists
                                                       the request runs at once: the forward
                                                        waits for layer i's READ before layer
                                                        i's attention (wait_layer)
     notification "handoff id"  <-------------------   (sent once every layer's READ is done)
     release: engine frees the blocks                   poll() -> done
+
+Descriptors are prepared once: at registration every (region, KV head, block) cell of this
+replica's cache becomes one entry of a local prepared list, and when a peer is loaded its
+cache's cells become a remote one. A READ is then made from two index arrays (the prompt's
+blocks, layer by layer); NIXL merges the cells that are adjacent on both sides (a run of
+consecutive blocks of one head is one copy). No descriptor is built or validated per request.
 
 Over UCX between two processes of one host (cross-memory attach) a READ copies in the call
 that posts it, on the posting thread: so a replica's reads are posted by its reader thread,
@@ -108,6 +114,47 @@ class NixlTicket:
     transport: str = "nixl"
 
 
+class _PeerLink:
+    """A loaded prefill agent: its info and its cache's prepared descriptor list. Reads in
+    flight count as users; a link dropped (evicted, or its read failed) is released once the
+    last user is done with it."""
+
+    def __init__(self, info: NixlAgentInfo, dlist: Any) -> None:
+        self.info = info
+        self.dlist = dlist
+        self.users = 0
+        self.retired = False
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+
+def cache_cells(addresses: tuple[int, ...], layout: KVLayout) -> np.ndarray:
+    """Descriptor rows (address, length, 0) of every (region, KV head, block) cell of a cache,
+    in that order: cell (r, h, b) is row ``(r * num_kv_heads + h) * num_blocks + b``."""
+    bb = layout.block_bytes
+    offsets = np.arange(layout.num_kv_heads * layout.num_blocks, dtype=np.int64) * bb
+    starts = np.asarray(addresses, dtype=np.int64)[:, None] + offsets[None, :]
+    rows = np.zeros((starts.size, 3), dtype=np.uint64)
+    rows[:, 0] = starts.reshape(-1)
+    rows[:, 1] = bb
+    return rows
+
+
+def layer_cells(
+    layout: KVLayout, num_blocks: int, blocks: list[int] | tuple[int, ...]
+) -> np.ndarray:
+    """``[num_layers, 2 * num_kv_heads * len(blocks)]`` int32: per layer, the indices into
+    ``cache_cells`` (of a cache with ``num_blocks`` blocks) of ``blocks``' cells, K then V,
+    head by head, blocks in the given order."""
+    regions = np.arange(layout.num_regions, dtype=np.int64).reshape(layout.num_layers, 2, 1, 1)
+    heads = np.arange(layout.num_kv_heads, dtype=np.int64).reshape(1, 1, -1, 1)
+    ids = np.asarray(blocks, dtype=np.int64).reshape(1, 1, 1, -1)
+    cells = (regions * layout.num_kv_heads + heads) * num_blocks + ids
+    return cells.reshape(layout.num_layers, -1).astype(np.int32)
+
+
 class NixlTransport(KVTransport):
     """One replica's NIXL agent: its cache registered, peers loaded on demand."""
 
@@ -130,8 +177,10 @@ class NixlTransport(KVTransport):
         self._addresses: tuple[int, ...] = ()
         self._held: dict[str, float] = {}  # handoff id -> expiry (prefill side)
         self._notify_task: asyncio.Task | None = None
-        self._peers: OrderedDict[str, NixlAgentInfo] = OrderedDict()  # decode side
+        self._peers: OrderedDict[str, _PeerLink] = OrderedDict()  # decode side
+        self._retired: dict[str, _PeerLink] = {}  # dropped, with reads still using them
         self._peers_lock = threading.Lock()
+        self._local_dlist: Any = None  # this cache's cells, prepared (cache_cells)
         self.reader = _Reader()  # decode side
 
     def attach(self, engine: Any, release: Any) -> None:
@@ -171,6 +220,9 @@ class NixlTransport(KVTransport):
         self._registration = agent.register_memory(regions)
         self.agent = agent
         self._addresses = region_addresses(kv_caches)
+        self._local_dlist = agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", cache_cells(self._addresses, self.layout), "DRAM"
+        )
         info = NixlAgentInfo(name, agent.get_agent_metadata(), self._addresses, self.layout)
         if self.publish is None:
             import ray
@@ -218,82 +270,91 @@ class NixlTransport(KVTransport):
         deadline = min(time.time() + timeout_s, ticket.expires_at - EXPIRY_MARGIN_S)
         if time.time() >= deadline:
             raise KVTransportError(f"the KV of {handoff.handoff_id} expires too soon to read")
-        peer = await self._peer(ticket, deadline)
+        link = await self._peer(ticket, deadline)
         mismatch = self.layout.mismatch(handoff.layout)
         if mismatch is None:
-            return NixlBlockRead(self, peer, handoff, deadline)
-        logger.info(
-            "KV of %s: cache layouts differ (%s); reading it as tokens",
-            handoff.handoff_id,
-            mismatch,
-        )
-        return await self._read_tokens(peer, handoff, deadline)
+            return NixlBlockRead(self, link, handoff, deadline)  # the read holds the link
+        try:
+            logger.info(
+                "KV of %s: cache layouts differ (%s); reading it as tokens",
+                handoff.handoff_id,
+                mismatch,
+            )
+            return await self._read_tokens(link, handoff, deadline)
+        finally:
+            self.unuse(link)
 
-    async def _peer(self, ticket: NixlTicket, deadline: float) -> NixlAgentInfo:
+    async def _peer(self, ticket: NixlTicket, deadline: float) -> _PeerLink:
+        """The ticket's agent, loaded (once) and counted as used until ``unuse``."""
         with self._peers_lock:
-            peer = self._peers.get(ticket.agent_name)
-            if peer is not None:
-                self._peers.move_to_end(ticket.agent_name)
-                return peer
+            link = self._peers.get(ticket.agent_name) or self._retired.pop(ticket.agent_name, None)
+            if link is not None:
+                link.retired = False
+                self._peers[link.name] = link
+                self._peers.move_to_end(link.name)
+                link.users += 1
+                return link
         info = await asyncio.wait_for(ticket.agent_info, max(0.0, deadline - time.time()))
         assert isinstance(info, NixlAgentInfo) and info.name == ticket.agent_name
         with self._peers_lock:
-            if info.name in self._peers:
-                return info
+            link = self._peers.get(info.name)
+            if link is not None:  # loaded meanwhile by another request
+                link.users += 1
+                return link
             self.agent.add_remote_agent(info.metadata)
-            self._peers[info.name] = info
+            cells = cache_cells(info.region_addresses, info.layout)
+            link = _PeerLink(info, self.agent.prep_xfer_dlist(info.name, cells, "DRAM"))
+            link.users += 1
+            self._peers[info.name] = link
             while len(self._peers) > MAX_PEERS:
-                old, _ = self._peers.popitem(last=False)
-                self.agent.remove_remote_agent(old)
+                self._retire(next(iter(self._peers)))
         # Connect now rather than on the first READ (tens of ms here), off the event loop.
         await asyncio.to_thread(self.agent.make_connection, info.name)
-        return info
+        return link
 
-    def notify(self, peer: NixlAgentInfo, handoff_id: str) -> None:
+    def unuse(self, link: _PeerLink) -> None:
+        """A read is done with ``link``; a dropped link is released with its last user."""
+        with self._peers_lock:
+            link.users -= 1
+            if link.retired and link.users <= 0 and self._retired.get(link.name) is link:
+                del self._retired[link.name]
+                self._drop(link)
+
+    def _retire(self, name: str) -> None:
+        """Drops a loaded peer (the caller holds the lock); released now or by its last user."""
+        link = self._peers.pop(name, None)
+        if link is None:
+            return
+        link.retired = True
+        if link.users <= 0:
+            self._drop(link)
+        else:
+            self._retired[name] = link
+
+    def _drop(self, link: _PeerLink) -> None:
+        with contextlib.suppress(Exception):
+            self.agent.release_dlist_handle(link.dlist)
+        with contextlib.suppress(Exception):
+            self.agent.remove_remote_agent(link.name)
+
+    def notify(self, link: _PeerLink, handoff_id: str) -> None:
         """Tells a prefill replica to free a handoff's blocks now (best effort)."""
         with contextlib.suppress(Exception):
-            self.agent.send_notif(peer.name, handoff_id.encode())
+            self.agent.send_notif(link.name, handoff_id.encode())
 
     def forget_peer(self, name: str) -> None:
         """Drops a peer whose transfer failed: it may be gone; a later ticket loads it again."""
         with self._peers_lock:
-            if self._peers.pop(name, None) is not None:
-                with contextlib.suppress(Exception):
-                    self.agent.remove_remote_agent(name)
+            self._retire(name)
 
-    def descriptors(
-        self,
-        peer: NixlAgentInfo,
-        src_blocks: list[int],
-        dst_addresses: tuple[int, ...],
-        dst_layout: KVLayout,
-        dst_blocks: list[int],
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(src, dst) descriptor rows copying the peer's ``src_blocks`` into ``dst_blocks``."""
-        return read_descriptors(
-            dst_layout,
-            peer.region_addresses,
-            peer.layout.num_blocks,
-            src_blocks,
-            dst_addresses,
-            dst_blocks,
-        )
-
-    def post(
-        self,
-        peer: NixlAgentInfo,
-        src_rows: np.ndarray,
-        dst_rows: np.ndarray,
-        notification: str = "",
-    ) -> Any:
-        """One READ of the peer's ``src_rows`` into ``dst_rows``; its handle. Over UCX between
-        processes of one host the copy happens here."""
-        local = self.agent.get_xfer_descs(dst_rows, "DRAM")
-        remote = self.agent.get_xfer_descs(src_rows, "DRAM")
-        handle = self.agent.initialize_xfer("READ", local, remote, peer.name, notification.encode())
+    def post(self, link: _PeerLink, local: np.ndarray, remote: np.ndarray) -> Any:
+        """One READ of the peer's cells ``remote`` into this cache's cells ``local`` (indices
+        into the prepared lists, cache_cells); its handle. Over UCX between processes of one
+        host the copy happens here."""
+        handle = self.agent.make_prepped_xfer("READ", self._local_dlist, local, link.dlist, remote)
         if self.agent.transfer(handle) == "ERR":
             self.finish(handle)
-            raise KVTransferError(f"NIXL could not post the read from {peer.name}")
+            raise KVTransferError(f"NIXL could not post the read from {link.name}")
         return handle
 
     def state(self, handle: Any) -> str:
@@ -304,26 +365,36 @@ class NixlTransport(KVTransport):
         with contextlib.suppress(Exception):
             self.agent.release_xfer_handle(handle)
 
-    async def _read_tokens(
-        self, peer: NixlAgentInfo, handoff: KVHandoff, deadline: float
-    ) -> KVPayload:
+    async def _read_tokens(self, link: _PeerLink, handoff: KVHandoff, deadline: float) -> KVPayload:
         """The fallback for caches of another layout: the prefill blocks into a staging buffer
         laid out like a cache of theirs, then the tokens as a payload."""
-        src = peer.layout
+        src = link.info.layout
         num_blocks = len(handoff.block_ids)
         shape = (src.num_regions, src.num_kv_heads, num_blocks, src.block_size, src.head_dim)
         stage = torch.empty(shape)
         registration = self.agent.register_memory([stage])
         try:
             addresses = tuple(stage[r].data_ptr() for r in range(src.num_regions))
-            rows = self.descriptors(
-                peer,
+            src_rows, dst_rows = read_descriptors(
+                dataclasses.replace(src, num_blocks=num_blocks),
+                link.info.region_addresses,
+                src.num_blocks,
                 list(handoff.block_ids),
                 addresses,
-                dataclasses.replace(src, num_blocks=num_blocks),
                 list(range(num_blocks)),
             )
-            handle = await asyncio.to_thread(self.post, peer, *rows, handoff.handoff_id)
+
+            def post() -> Any:
+                local = self.agent.get_xfer_descs(dst_rows, "DRAM")
+                remote = self.agent.get_xfer_descs(src_rows, "DRAM")
+                notification = handoff.handoff_id.encode()
+                handle = self.agent.initialize_xfer("READ", local, remote, link.name, notification)
+                if self.agent.transfer(handle) == "ERR":
+                    self.finish(handle)
+                    raise KVTransferError(f"NIXL could not post the read from {link.name}")
+                return handle
+
+            handle = await asyncio.to_thread(post)
             try:
                 while (state := self.state(handle)) == "PROC" and time.time() < deadline:
                     await asyncio.sleep(0.0005)
@@ -332,7 +403,7 @@ class NixlTransport(KVTransport):
         finally:
             self.agent.deregister_memory(registration)
         if state != "DONE":
-            self.forget_peer(peer.name)
+            self.forget_peer(link.name)
             raise KVTransportError(f"NIXL read of {handoff.handoff_id} ended {state}")
         num_tokens = handoff.metadata.num_tokens
         # [2L, kvh, blocks, bs, d] -> [L, 2, kvh, tokens, d] -> [2, L, kvh, tokens, d]
@@ -345,6 +416,13 @@ class NixlTransport(KVTransport):
         if self._notify_task is not None:
             self._notify_task.cancel()
         if self.agent is not None:
+            with self._peers_lock:
+                for link in [*self._peers.values(), *self._retired.values()]:
+                    self._drop(link)
+                self._peers.clear()
+                self._retired.clear()
+            with contextlib.suppress(Exception):
+                self.agent.release_dlist_handle(self._local_dlist)
             with contextlib.suppress(Exception):
                 self.agent.deregister_memory(self._registration)
             self.agent = None
@@ -356,7 +434,12 @@ class NixlBlockRead(KVBlockSource):
     ``start`` (the engine's loop thread) queues it on the transport's reader thread, which
     posts one READ per layer in layer order (``run``) and counts the layers in as their READs
     complete. ``wait_layer`` (the engine's forward, before a layer's attention) and ``poll``
-    read that count. The timings are read by the decode replica for its transfer metrics.
+    read that count. The timings are read by the decode replica for its transfer metrics
+    (``started_at``, ``done_at``) and by bench/kv_handoff.py (``picked_at``: the reader thread
+    took it; ``post_s``: time in the posting calls, where the copy happens).
+
+    The read uses its peer's link from ``receive`` until its reader thread is done with it, or
+    until ``abandon`` if it never started.
     """
 
     layer_wise = True
@@ -364,14 +447,14 @@ class NixlBlockRead(KVBlockSource):
     def __init__(
         self,
         transport: NixlTransport,
-        peer: NixlAgentInfo,
+        link: _PeerLink,
         handoff: KVHandoff,
         deadline: float,
         recompute_on_failure: bool = True,
     ) -> None:
         assert handoff.layout is not None
         self.transport = transport
-        self.peer = peer
+        self.link = link
         self.handoff = handoff
         self.metadata = handoff.metadata
         self.layout = handoff.layout
@@ -379,8 +462,11 @@ class NixlBlockRead(KVBlockSource):
         self.recompute_on_failure = recompute_on_failure
         self.block_ids: list[int] = []
         self.started_at: float | None = None
+        self.picked_at: float | None = None
         self.done_at: float | None = None
+        self.post_s = 0.0
         self.error: str | None = None
+        self._link_held = True
         self._progress = threading.Condition()
         self._layers_in = 0  # layers 0 .. _layers_in - 1 are all in
         self._ended = False  # the reader thread is done with it: all in, or failed
@@ -414,10 +500,18 @@ class NixlBlockRead(KVBlockSource):
     def abandon(self) -> None:
         """The request went away before its read started: the prefill side may free now."""
         if self.started_at is None:
-            self.transport.notify(self.peer, self.handoff.handoff_id)
+            self.transport.notify(self.link, self.handoff.handoff_id)
+            self._let_go()
+
+    def _let_go(self) -> None:
+        with self._progress:
+            held, self._link_held = self._link_held, False
+        if held:
+            self.transport.unuse(self.link)
 
     def run(self) -> None:
         """The reader thread's part: the READs posted in layer order, then waited for."""
+        self.picked_at = time.perf_counter()
         transport = self.transport
         assert transport.layout is not None
         handles: list[Any] = []
@@ -425,34 +519,31 @@ class NixlBlockRead(KVBlockSource):
         try:
             if time.time() >= self.deadline:
                 raise KVTransferError("its KV expired before the engine could take it")
-            src_rows, dst_rows = transport.descriptors(
-                self.peer,
-                list(self.handoff.block_ids),
-                transport._addresses,
-                transport.layout,
-                self.block_ids,
+            local = layer_cells(transport.layout, transport.layout.num_blocks, self.block_ids)
+            remote = layer_cells(
+                self.layout, self.link.info.layout.num_blocks, self.handoff.block_ids
             )
-            # Rows are region-major and every region has as many: layer l is chunk l.
             num_layers = self.layout.num_layers
-            for src, dst in zip(
-                np.split(src_rows, num_layers), np.split(dst_rows, num_layers), strict=True
-            ):
-                handles.append(transport.post(self.peer, src, dst))
+            for layer in range(num_layers):
+                before = time.perf_counter()
+                handles.append(transport.post(self.link, local[layer], remote[layer]))
+                self.post_s += time.perf_counter() - before
                 self._count_layers_in(handles)
             while self._count_layers_in(handles) < num_layers:
                 if time.time() >= self.deadline:
                     raise KVTransferError("it did not finish in time")
                 time.sleep(READ_POLL_S)
         except Exception as exc:  # noqa: BLE001 - nixl raises its own backend errors
-            error = f"the NIXL read from {self.peer.name} failed: {exc}"
+            error = f"the NIXL read from {self.link.name} failed: {exc}"
         finally:
             for handle in handles:  # cancels the READs still running
                 transport.finish(handle)
             # Only now may the prefill side free (and reuse) the blocks read from, and the
             # engine its own (poll raises once ``error`` is set).
-            transport.notify(self.peer, self.handoff.handoff_id)
+            transport.notify(self.link, self.handoff.handoff_id)
             if error is not None:
-                transport.forget_peer(self.peer.name)
+                transport.forget_peer(self.link.name)
+            self._let_go()
             with self._progress:
                 self.error = error
                 self._ended = True
