@@ -5,10 +5,13 @@ heads x 64, 720 KiB of KV per 16-token block):
 
 1. Components, between two Ray actors that each own an engine and both transports (no Serve):
    per request, the prefill side's export (nixl: the ticket; object_store: the copy out of
-   the blocks and ``ray.put``), the transfer (nixl: ticket -> the decode blocks filled, one
-   READ; object_store: the ref read on the decode side) and the import (object_store: the
-   array written into the decode blocks; nixl has none: the READ lands in them). A plain
-   memory copy of the same bytes in the decode actor is the bandwidth reference.
+   the blocks and ``ray.put``), the transfer (nixl: ticket -> the decode blocks filled: the
+   receive, the handover to the reader thread, its READs, one per layer, and the time in
+   their posting calls, where cross-memory attach copies; the actor waits on the read's
+   progress as the engine's forward does; object_store: the ref read on the decode side)
+   and the import (object_store: the array written into the decode blocks; nixl has none:
+   the READ lands in them). A plain memory copy of the same bytes in the decode actor (best
+   of three, warm) is the bandwidth reference.
 2. The second token without Serve, per prompt in turn: one engine's decode step after its
    first token (colocated) against each transport's path on the decode actor after the
    prefill actor's export: the Ray hop, the receive (the peer loaded once), then nixl: the
@@ -190,10 +193,17 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
                 out["import_s"] = time.perf_counter() - before
             else:
                 kv.start(blocks)
+                # Waited for as the engine's forward waits for a layer: on the read's
+                # progress, woken when the reader thread counts the last layer in.
+                last = kv.layout.num_layers - 1
                 while not kv.poll():
-                    await asyncio.sleep(0.0002)
+                    if not kv.wait_layer(last):
+                        time.sleep(0.0002)
                 out["transfer_s"] = kv.done_at - start
                 out["read_s"] = kv.done_at - kv.started_at
+                out["receive_s"] = received - start
+                out["queue_s"] = kv.picked_at - kv.started_at
+                out["post_s"] = kv.post_s
                 out["import_s"] = 0.0
             engine.kv.pool.free(blocks)
             # The reference: one contiguous copy of as many bytes, in this process.
@@ -286,7 +296,16 @@ def second_token(args: argparse.Namespace, lengths: list[int]) -> dict:
 
 def aggregate(samples: list[dict]) -> dict:
     out: dict = {"bytes": samples[0]["bytes"], "n": len(samples)}
-    for key in ("export_s", "transfer_s", "import_s", "read_s", "memcpy_s"):
+    for key in (
+        "export_s",
+        "transfer_s",
+        "import_s",
+        "read_s",
+        "receive_s",
+        "queue_s",
+        "post_s",
+        "memcpy_s",
+    ):
         values = [s[key] for s in samples if key in s]
         if values:
             out[key.replace("_s", "_ms")] = statistics.median(values) * 1e3
@@ -297,7 +316,12 @@ def aggregate(samples: list[dict]) -> dict:
 
 
 def print_component(length: int, transport: str, row: dict) -> None:
-    read = f" (READ {row['read_ms']:.2f})" if "read_ms" in row else ""
+    read = ""
+    if "read_ms" in row:
+        read = (
+            f" (receive {row['receive_ms']:.2f}, to the reader {row['queue_ms']:.2f}, "
+            f"READs {row['read_ms']:.2f} of which posting {row['post_ms']:.2f})"
+        )
     print(
         f"{length:>5} tok {transport:<12} {row['bytes'] / 2**20:7.1f} MiB  "
         f"export {row['export_ms']:7.3f} ms  transfer {row['transfer_ms']:7.2f} ms{read}  "
