@@ -24,7 +24,7 @@ from neuron_runtime.kv_budget import (
     weight_bytes,
 )
 from neuron_runtime.loader import load_hf_config
-from neuron_runtime.model_store import resolve_model
+from neuron_runtime.model_store import gguf_source, resolve_model
 from neuron_runtime.models.registry import complete_config
 from neuron_runtime.parallel.checks import check_shardable
 from neuron_runtime.spec_decode.config import SpeculativeConfig
@@ -64,10 +64,14 @@ class EngineArgs:
     # Speculative decoding, vLLM's keys (spec_decode/config.py): {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 3}, draft_model, eagle, eagle3.
     speculative_config: dict[str, Any] | None = None
+    # Weights of a GGUF model: None keeps them in the file's quantization where the CPU
+    # kernels run them (Q4_1, Q8_0; backends/cpu_ops.py), else fp32; "none" is always fp32
+    # (the dequantized checkpoint, for like-for-like comparisons); "gguf" requires a GGUF.
+    quantization: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
-        hf_config = complete_config(load_hf_config(path))
+        hf_config = self._with_quantization(path, complete_config(load_hf_config(path)))
         limit = int(text_config(hf_config).get("max_position_embeddings") or 2048)
         if self.max_model_len is not None and self.max_model_len > limit:
             raise ValueError(
@@ -122,6 +126,29 @@ class EngineArgs:
             speculative=self._speculative_config(),
             parallel=parallel,
         )
+
+    def _with_quantization(self, path: Any, hf_config: dict[str, Any]) -> dict[str, Any]:
+        """``hf_config`` with a ``quantization_config`` naming the GGUF source when its
+        quantized blocks are to be used (one CPU process: a tensor-parallel rank slices
+        fp32 weights)."""
+        if self.quantization not in (None, "gguf", "none"):
+            raise ValueError(
+                f"quantization must be 'gguf', 'none' or unset, got {self.quantization!r}"
+            )
+        source = gguf_source(path)
+        if self.quantization == "gguf" and source is None:
+            raise ValueError(
+                f"quantization 'gguf' needs a model converted from a .gguf file; {self.model!r} "
+                "is not one (or its .gguf file changed since)"
+            )
+        if (
+            source is None
+            or self.quantization == "none"
+            or self.device != "cpu"
+            or self.tensor_parallel_size > 1
+        ):
+            return hf_config
+        return {**hf_config, "quantization_config": {"quant_method": "gguf", "file": str(source)}}
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative_config is None:

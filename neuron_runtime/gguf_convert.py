@@ -94,6 +94,41 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
     _save_tokenizer(gguf_path, meta, out_dir)
 
 
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A 2-D GGUF tensor's raw blocks, ``blocks`` uint8 ``[rows, bytes per row]`` in the HF
+    weight's row order (q/k rows un-permuted as ``convert_gguf_to_hf`` does)."""
+
+    ggml_type: str  # "Q4_1", "Q8_0", "Q4_K", ...
+    blocks: np.ndarray
+    rows: int
+    width: int
+
+
+def quantized_tensors(gguf_path: str | os.PathLike[str]) -> dict[str, QuantizedTensor]:
+    """The quantized 2-D tensors of a GGUF file by HF name, undequantized (the blocks are
+    views of the memory-mapped file, except for permuted q/k rows)."""
+    reader = GGUFReader(gguf_path)
+    meta = _read_metadata(reader)
+    arch = _ARCHS[str(meta["general.architecture"])]
+    prefix = meta["general.architecture"]
+    n_head = int(meta[f"{prefix}.attention.head_count"])
+    n_kv_head = int(meta.get(f"{prefix}.attention.head_count_kv", n_head))
+    found: dict[str, QuantizedTensor] = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) != 2 or tensor.tensor_type.name in ("F32", "F16", "BF16"):
+            continue
+        name = _hf_name(tensor.name, arch.layer_names)
+        width, rows = int(tensor.shape[0]), int(tensor.shape[1])  # GGUF order: [in, out]
+        blocks = np.asarray(tensor.data).reshape(rows, -1)
+        if arch.permute_rotary and name.endswith("q_proj.weight"):
+            blocks = _unpermute_rotary(blocks, n_head)
+        elif arch.permute_rotary and name.endswith("k_proj.weight"):
+            blocks = _unpermute_rotary(blocks, n_kv_head)
+        found[name] = QuantizedTensor(tensor.tensor_type.name, blocks, rows, width)
+    return found
+
+
 def _read_metadata(reader: GGUFReader) -> dict[str, Any]:
     # The vocabulary arrays (tokens, merges, scores) are large and only the tokenizer conversion
     # needs them; transformers reads those itself.

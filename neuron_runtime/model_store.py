@@ -21,6 +21,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -180,10 +181,37 @@ def _publish(tmp: Path, target: Path) -> None:
         # Another process won the race; its folder is as good as ours.
 
 
+# In a folder converted from a GGUF file: that file's path and fingerprint, so the CPU kernels
+# can compute on its quantized blocks (backends/cpu_ops.py) instead of the fp32 copy.
+GGUF_SOURCE_FILE = "gguf_source.json"
+
+
+def gguf_source(folder: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file ``folder`` was converted from, if recorded and still unchanged."""
+    try:
+        record = json.loads((Path(folder) / GGUF_SOURCE_FILE).read_text())
+        source = Path(record["gguf"])
+        return source if _fingerprint(source) == record["fingerprint"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _record_source(folder: Path, gguf_path: Path) -> None:
+    record = {"gguf": str(gguf_path.resolve()), "fingerprint": _fingerprint(gguf_path)}
+    fd, tmp = tempfile.mkstemp(prefix=f".{GGUF_SOURCE_FILE}.", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(record) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, folder / GGUF_SOURCE_FILE)
+
+
 def _converted(gguf_path: Path, name: str) -> Path:
     target = cache_dir() / "models" / f"{name}-{_fingerprint(gguf_path)}"
     # The folder only ever appears through the rename below, so existing means complete.
     if target.is_dir():
+        if not (target / GGUF_SOURCE_FILE).is_file():  # converted before sources were recorded
+            with contextlib.suppress(OSError):
+                _record_source(target, gguf_path)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Convert next to the target so os.rename is atomic; several processes may race here.
@@ -192,6 +220,7 @@ def _converted(gguf_path: Path, name: str) -> Path:
         size_mb = gguf_path.stat().st_size / 1e6
         with _announce(f"converting {gguf_path.name} ({size_mb:.0f} MB) into {target}"):
             convert_gguf_to_hf(gguf_path, tmp)
+            _record_source(tmp, gguf_path)
         _publish(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

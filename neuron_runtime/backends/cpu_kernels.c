@@ -26,6 +26,9 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /*
  * The thread pool: num_threads - 1 workers, created once, plus the calling thread.
@@ -348,6 +351,215 @@ void packed_linear(const float *x, const float *packed, const float *bias, float
 }
 
 /*
+ * The same GEMM on weights that stay in their GGUF quantization (cpu_kernels.py,
+ * CPUKernels.pack_q4_1 / pack_q8_0), dequantized in registers: a panel is PANEL output
+ * columns as in packed_linear, cut into k-blocks of QBLOCK inputs (the GGUF block), one
+ * record per (panel, k-block), records of a panel consecutive:
+ *   Q4_1 (768 bytes): scale[32] and min[32] as fp32 (column j), then for each of the 32
+ *        inputs 16 bytes, byte j holding column j in its low nibble and column j + 16 in
+ *        its high one: w = scale * q + min;
+ *   Q8_0 (1152 bytes): scale[32] fp32, then for each input 32 int8 (column j): w = scale * q.
+ * scale * q is exact in fp32 (an fp16 scale times an integer under 2^8), so w is the value the
+ * GGUF dequantizer gives, bit for bit, and the sums run in the order of packed_linear's: the
+ * result equals packed_linear on the dequantized weights.
+ * Each row tile dequantizes the panel's weights again (up to TILE_ROWS rows share it).
+ */
+#define QBLOCK 32
+#define Q4_1_RECORD 768
+#define Q8_0_RECORD 1152
+enum { FORMAT_F32 = 0, FORMAT_Q4_1 = 1, FORMAT_Q8_0 = 2 };
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+/* 16 bytes widened to 16 int32 lanes, zero- or sign-extended (GCC leaves a generic
+ * conversion of byte vectors to scalar code). */
+#if defined(__AVX512F__)
+static inline i32x16 widen_u8(const uint8_t *p) {
+    return (i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline i32x16 widen_i8(const uint8_t *p) {
+    return (i32x16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+#elif defined(__AVX2__)
+static inline i32x16 widen_u8(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i h[2] = {_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))};
+    i32x16 v;
+    memcpy(&v, h, sizeof(v));
+    return v;
+}
+static inline i32x16 widen_i8(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i h[2] = {_mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))};
+    i32x16 v;
+    memcpy(&v, h, sizeof(v));
+    return v;
+}
+#else
+static inline i32x16 widen_u8(const uint8_t *p) {
+    i32x16 v;
+    for (int i = 0; i < 16; i++) v[i] = p[i];
+    return v;
+}
+static inline i32x16 widen_i8(const uint8_t *p) {
+    i32x16 v;
+    for (int i = 0; i < 16; i++) v[i] = (int8_t)p[i];
+    return v;
+}
+#endif
+typedef float vec16u __attribute__((vector_size(64), aligned(4)));
+
+/* Keeps a dequantized weight vector as computed: -ffast-math would otherwise be free to
+ * fold the scale into x (x * d * q), which is not exact. */
+#if defined(__AVX512F__)
+#define KEEP(v) __asm__("" : "+v"(v))
+#elif defined(__AVX__)
+typedef float vec8 __attribute__((vector_size(32)));
+#define KEEP(v)                                                                              \
+    do {                                                                                     \
+        vec8 h_[2];                                                                          \
+        memcpy(h_, &(v), sizeof(h_));                                                        \
+        __asm__("" : "+x"(h_[0]), "+x"(h_[1]));                                              \
+        memcpy(&(v), h_, sizeof(h_));                                                        \
+    } while (0)
+#else
+#define KEEP(v) __asm__("" : "+m"(v))
+#endif
+
+static inline __attribute__((always_inline)) void tile_q(const float *x, int64_t in,
+                                                         const uint8_t *panel, int format,
+                                                         const float *bias, float *y,
+                                                         int64_t out, int64_t cols, int rows) {
+    vec16 acc[TILE_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (vec16){0};
+    const int64_t blocks = in / QBLOCK;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *xb = x + b * QBLOCK;
+        if (format == FORMAT_Q4_1) {
+            const uint8_t *rec = panel + b * Q4_1_RECORD;
+            const vec16 d0 = *(const vec16u *)rec, d1 = *(const vec16u *)(rec + 64);
+            const vec16 m0 = *(const vec16u *)(rec + 128), m1 = *(const vec16u *)(rec + 192);
+            const uint8_t *q = rec + 256;
+            for (int i = 0; i < QBLOCK; i++) {
+                const i32x16 v = widen_u8(q + i * 16);
+                vec16 w0 = __builtin_convertvector(v & 15, vec16) * d0 + m0;
+                vec16 w1 = __builtin_convertvector(v >> 4, vec16) * d1 + m1;
+                KEEP(w0);
+                KEEP(w1);
+                for (int r = 0; r < rows; r++) {
+                    const float xi = xb[r * in + i];
+                    acc[r][0] += xi * w0;
+                    acc[r][1] += xi * w1;
+                }
+            }
+        } else {
+            const uint8_t *rec = panel + b * Q8_0_RECORD;
+            const vec16 d0 = *(const vec16u *)rec, d1 = *(const vec16u *)(rec + 64);
+            const uint8_t *q = rec + 128;
+            for (int i = 0; i < QBLOCK; i++) {
+                vec16 w0 = __builtin_convertvector(widen_i8(q + i * 32), vec16) * d0;
+                vec16 w1 = __builtin_convertvector(widen_i8(q + i * 32 + 16), vec16) * d1;
+                KEEP(w0);
+                KEEP(w1);
+                for (int r = 0; r < rows; r++) {
+                    const float xi = xb[r * in + i];
+                    acc[r][0] += xi * w0;
+                    acc[r][1] += xi * w1;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float sums[PANEL], *yr = y + r * out;
+        memcpy(sums, acc[r], sizeof(sums));
+        for (int64_t j = 0; j < cols; j++) yr[j] = bias != NULL ? sums[j] + bias[j] : sums[j];
+    }
+}
+
+struct qlinear_job {
+    const float *x;
+    const uint8_t *packed;
+    const float *bias;
+    float *y;
+    int64_t m, in, out, panels, chunks, chunk_panels;
+    int format;
+};
+
+/* Rows [r0, r1) (one row block) times panels [p0, p1), as linear_block. The format is a
+ * constant in each instantiation, so the branch in tile_q folds away. */
+#define QLINEAR_BLOCK(name, FORMAT, RECORD)                                                  \
+    static void name(const struct qlinear_job *j, int64_t r0, int64_t r1, int64_t p0,        \
+                     int64_t p1) {                                                           \
+        const int64_t in = j->in, out = j->out;                                              \
+        for (int64_t p = p0; p < p1; p++) {                                                  \
+            const uint8_t *panel = j->packed + p * (in / QBLOCK) * (RECORD);                 \
+            const int64_t c0 = p * PANEL, cols = out - c0 < PANEL ? out - c0 : PANEL;        \
+            const float *b = j->bias != NULL ? j->bias + c0 : NULL;                          \
+            float *yp = j->y + c0;                                                           \
+            int64_t r = r0;                                                                  \
+            for (; r + TILE_ROWS <= r1; r += TILE_ROWS)                                      \
+                tile_q(j->x + r * in, in, panel, FORMAT, b, yp + r * out, out, cols,         \
+                       TILE_ROWS);                                                           \
+            if (r + 4 <= r1) {                                                               \
+                tile_q(j->x + r * in, in, panel, FORMAT, b, yp + r * out, out, cols, 4);     \
+                r += 4;                                                                      \
+            }                                                                                \
+            if (r + 2 <= r1) {                                                               \
+                tile_q(j->x + r * in, in, panel, FORMAT, b, yp + r * out, out, cols, 2);     \
+                r += 2;                                                                      \
+            }                                                                                \
+            if (r < r1) tile_q(j->x + r * in, in, panel, FORMAT, b, yp + r * out, out, cols, 1); \
+        }                                                                                    \
+    }
+QLINEAR_BLOCK(q4_1_block, FORMAT_Q4_1, Q4_1_RECORD)
+QLINEAR_BLOCK(q8_0_block, FORMAT_Q8_0, Q8_0_RECORD)
+#undef QLINEAR_BLOCK
+
+static void qlinear_tasks(const void *ctx, int64_t begin, int64_t end) {
+    const struct qlinear_job *j = ctx;
+    for (int64_t t = begin; t < end; t++) {
+        const int64_t r0 = t / j->chunks * ROW_BLOCK, p0 = t % j->chunks * j->chunk_panels;
+        const int64_t r1 = r0 + ROW_BLOCK < j->m ? r0 + ROW_BLOCK : j->m;
+        const int64_t p1 = p0 + j->chunk_panels < j->panels ? p0 + j->chunk_panels : j->panels;
+        if (j->format == FORMAT_Q4_1)
+            q4_1_block(j, r0, r1, p0, p1);
+        else
+            q8_0_block(j, r0, r1, p0, p1);
+    }
+}
+
+/* The task split of packed_linear: chunks of panels per row block. */
+static void split_panels(int64_t m, int64_t panels, int64_t *chunks, int64_t *chunk_panels) {
+    const int64_t row_blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t wanted = TASKS_PER_THREAD * (int64_t)pool.threads;
+    int64_t c = (wanted + row_blocks - 1) / row_blocks;
+    c = c < panels ? c : panels;
+    *chunk_panels = (panels + c - 1) / c;
+    *chunks = (panels + *chunk_panels - 1) / *chunk_panels;
+}
+
+static void quantized_linear(const float *x, const uint8_t *packed, const float *bias, float *y,
+                             int64_t m, int64_t in, int64_t out, int format) {
+    const int64_t panels = (out + PANEL - 1) / PANEL;
+    int64_t chunks, chunk_panels;
+    split_panels(m, panels, &chunks, &chunk_panels);
+    const struct qlinear_job job = {x, packed, bias, y, m, in, out, panels, chunks, chunk_panels,
+                                    format};
+    parallel_for(qlinear_tasks, &job, (m + ROW_BLOCK - 1) / ROW_BLOCK * chunks, 1);
+}
+
+/* y = x @ w^T + bias on Q4_1 / Q8_0 panels; `in` is a multiple of QBLOCK. */
+void packed_linear_q4_1(const float *x, const uint8_t *packed, const float *bias, float *y,
+                        int64_t m, int64_t in, int64_t out) {
+    quantized_linear(x, packed, bias, y, m, in, out, FORMAT_Q4_1);
+}
+
+void packed_linear_q8_0(const float *x, const uint8_t *packed, const float *bias, float *y,
+                        int64_t m, int64_t in, int64_t out) {
+    quantized_linear(x, packed, bias, y, m, in, out, FORMAT_Q8_0);
+}
+
+/*
  * The per-row kernels below split their rows over the pool only when a grab gets at least
  * MIN_ROW_WORK floats of work: a decode step's few rows cost less than handing them over.
  */
@@ -499,6 +711,23 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
  */
 /* Vectors that may sit at any float boundary (query rows inside the fused qkv output). */
 typedef float vec16u __attribute__((vector_size(64), aligned(4)));
+
+/* Keeps a dequantized weight vector as computed: -ffast-math would otherwise be free to
+ * fold the scale into x (x * d * q), which is not exact. */
+#if defined(__AVX512F__)
+#define KEEP(v) __asm__("" : "+v"(v))
+#elif defined(__AVX__)
+typedef float vec8 __attribute__((vector_size(32)));
+#define KEEP(v)                                                                              \
+    do {                                                                                     \
+        vec8 h_[2];                                                                          \
+        memcpy(h_, &(v), sizeof(h_));                                                        \
+        __asm__("" : "+x"(h_[0]), "+x"(h_[1]));                                              \
+        memcpy(&(v), h_, sizeof(h_));                                                        \
+    } while (0)
+#else
+#define KEEP(v) __asm__("" : "+m"(v))
+#endif
 
 static inline float lane_sum(vec16 v) {
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);

@@ -23,8 +23,10 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from neuron_runtime.model_store import cache_dir
@@ -36,6 +38,8 @@ BUILD_TIMEOUT_S = 120
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "packed_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "packed_linear_q4_1": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "packed_linear_q8_0": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_and_mul": [_ptr, _ptr, _i64, _i64],
     "rotary_in_place": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
@@ -67,6 +71,49 @@ def _build(compiler: str, target: Path) -> None:
         ):
             subprocess.run(cmd, check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
         os.replace(lib, target)
+
+
+QBLOCK = 32  # inputs per GGUF block (Q4_1, Q8_0)
+# GGUF block bytes and packed record bytes per (panel, k-block), as in cpu_kernels.c.
+_GGUF_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+_RECORD_BYTES = {"q4_1": 768, "q8_0": 1152}
+
+
+@dataclass(frozen=True)
+class QuantizedPanels:
+    """A Linear weight ``[out, in]`` kept in its GGUF quantization, packed for ``linear``:
+    ``data`` is uint8 ``[ceil(out / PANEL), in / QBLOCK, record bytes]`` (cpu_kernels.c)."""
+
+    format: str  # "q4_1" or "q8_0"
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _gguf_blocks(blocks: np.ndarray | bytes, fmt: str, out: int, width: int) -> np.ndarray:
+    """The raw GGUF blocks of an ``[out, width]`` tensor as uint8 ``[panels * PANEL, width /
+    QBLOCK, block bytes]``, rows past ``out`` zero (their weights are 0)."""
+    if width % QBLOCK:
+        raise ValueError(f"{fmt} rows must be a multiple of {QBLOCK} long, got {width}")
+    size = _GGUF_BLOCK_BYTES[fmt]
+    raw = np.frombuffer(blocks, dtype=np.uint8) if isinstance(blocks, bytes) else blocks
+    raw = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    if raw.size != out * (width // QBLOCK) * size:
+        raise ValueError(f"{raw.size} bytes of {fmt} blocks do not hold a [{out}, {width}] tensor")
+    panels = -(-out // CPUKernels.PANEL)
+    padded = np.zeros((panels * CPUKernels.PANEL, width // QBLOCK, size), dtype=np.uint8)
+    padded[:out] = raw.reshape(out, width // QBLOCK, size)
+    return padded
+
+
+def _fp16_as_fp32_bytes(halves: np.ndarray) -> np.ndarray:
+    """``[..., 2]`` bytes of fp16 values as ``[..., 4]`` bytes of the same values in fp32."""
+    values = np.ascontiguousarray(halves).view(np.float16)[..., 0].astype(np.float32)
+    return values.view(np.uint8).reshape(*values.shape[:-1], -1)
 
 
 class CPUKernels:
@@ -105,10 +152,48 @@ class CPUKernels:
         padded[:out] = weight.detach()
         return padded.view(panels, cls.PANEL, width).transpose(1, 2).contiguous()
 
+    @classmethod
+    def pack_q4_1(cls, blocks: np.ndarray | bytes, out: int, width: int) -> QuantizedPanels:
+        """The Q4_1 blocks of a GGUF tensor ``[out, width]`` (row-major, ``width / 32`` blocks
+        of 20 bytes per row: fp16 scale, fp16 min, 16 bytes of nibbles) as panels for
+        ``linear``."""
+        raw = _gguf_blocks(blocks, "q4_1", out, width)
+        panels, nb = raw.shape[0] // cls.PANEL, raw.shape[1]
+        # [panel, k-block, column, 20]
+        per_col = raw.reshape(panels, cls.PANEL, nb, 20).transpose(0, 2, 1, 3)
+        scales = _fp16_as_fp32_bytes(per_col[..., 0:2])  # [panel, k-block, 32 * 4]
+        mins = _fp16_as_fp32_bytes(per_col[..., 2:4])
+        nibbles = per_col[..., 4:20]  # byte i: input i (low), input i + 16 (high)
+        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # [.., column, input]
+        q = q.transpose(0, 1, 3, 2)  # [panel, k-block, input, column]
+        half = cls.PANEL // 2
+        packed_q = q[..., :half] | (q[..., half:] << 4)  # column j low, j + 16 high
+        record = np.concatenate([scales, mins, packed_q.reshape(panels, nb, -1)], axis=-1)
+        return QuantizedPanels("q4_1", _aligned(record), out, width)
+
+    @classmethod
+    def pack_q8_0(cls, blocks: np.ndarray | bytes, out: int, width: int) -> QuantizedPanels:
+        """The Q8_0 blocks of a GGUF tensor ``[out, width]`` (``width / 32`` blocks of 34 bytes
+        per row: fp16 scale, 32 int8) as panels for ``linear``."""
+        raw = _gguf_blocks(blocks, "q8_0", out, width)
+        panels, nb = raw.shape[0] // cls.PANEL, raw.shape[1]
+        per_col = raw.reshape(panels, cls.PANEL, nb, 34).transpose(0, 2, 1, 3)
+        scales = _fp16_as_fp32_bytes(per_col[..., 0:2])
+        q = per_col[..., 2:].transpose(0, 1, 3, 2)  # [panel, k-block, input, column]
+        record = np.concatenate([scales, q.reshape(panels, nb, -1)], axis=-1)
+        return QuantizedPanels("q8_0", _aligned(record), out, width)
+
     def linear(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: int
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor | QuantizedPanels,
+        bias: torch.Tensor | None,
+        out: int,
     ) -> torch.Tensor:
-        """``x @ weight.T + bias`` for ``x`` [m, in] and ``packed = pack(weight)``; [m, out]."""
+        """``x @ weight.T + bias`` for ``x`` [m, in] and ``packed = pack(weight)`` (or
+        ``pack_q4_1`` / ``pack_q8_0`` of its GGUF blocks); [m, out]."""
+        if isinstance(packed, QuantizedPanels):
+            return self._quantized_linear(x, packed, bias, out)
         assert x.is_contiguous() and packed.is_contiguous() and packed.data_ptr() % 64 == 0
         assert bias is None or bias.is_contiguous()
         rows, width = x.shape
@@ -117,6 +202,30 @@ class CPUKernels:
         self._lib.packed_linear(
             x.data_ptr(),
             packed.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            rows,
+            width,
+            out,
+        )
+        return y
+
+    def _quantized_linear(
+        self, x: torch.Tensor, packed: QuantizedPanels, bias: torch.Tensor | None, out: int
+    ) -> torch.Tensor:
+        assert x.is_contiguous() and x.dtype == torch.float32
+        assert bias is None or bias.is_contiguous()
+        rows, width = x.shape
+        assert out == packed.out_features and width == packed.in_features
+        y = x.new_empty(rows, out)
+        fn = (
+            self._lib.packed_linear_q4_1
+            if packed.format == "q4_1"
+            else self._lib.packed_linear_q8_0
+        )
+        fn(
+            x.data_ptr(),
+            packed.data.data_ptr(),
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             rows,
@@ -239,6 +348,13 @@ class CPUKernels:
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.argmax_rows(x.data_ptr(), rows, cols, out.data_ptr())
         return out
+
+
+def _aligned(record: np.ndarray) -> torch.Tensor:
+    """A copy of ``record`` in a torch buffer (64-byte aligned, as torch allocates)."""
+    data = torch.empty(record.shape, dtype=torch.uint8)
+    data.numpy()[...] = record
+    return data
 
 
 def default_num_threads() -> int:

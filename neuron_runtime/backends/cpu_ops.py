@@ -1,12 +1,17 @@
 """The CPU backend's ops on the fused C kernels (backends/cpu_kernels.c).
 
 Linear layers and the logits head run on the packed-panel GEMM over weights repacked once at
-``attach``; add+RMSNorm, SiLU-and-mul, rotary and the KV write are fused; decodes attend in
-one kernel call over padded block tables. Prefill slices keep the torch path (SDPA).
+``attach``: from the GGUF file's Q4_1 / Q8_0 blocks when the model came from one (its
+``quantization_config``, engine_args.py), dequantized in registers to the very fp32 values of
+the converted checkpoint, else from the fp32 weights. Add+RMSNorm, SiLU-and-mul, rotary and
+the KV write are fused; decodes attend in one kernel call over padded block tables.
+Prefill slices keep the torch path (SDPA).
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from neuron_runtime.backends.cpu_kernels import CPUKernels
+from neuron_runtime.backends.cpu_kernels import CPUKernels, QuantizedPanels
 from neuron_runtime.backends.ops import Ops
 from neuron_runtime.layers.attention import (
     AttentionMetadata,
@@ -27,8 +32,14 @@ from neuron_runtime.layers.attention import (
 )
 
 if TYPE_CHECKING:
+    from neuron_runtime.gguf_convert import QuantizedTensor
     from neuron_runtime.layers.linear import Linear
     from neuron_runtime.layers.logits import LogitsHead
+
+logger = logging.getLogger(__name__)
+
+# GGML tensor types the kernels compute on -> the packing for them.
+QUANTIZED_FORMATS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
 
 
 @dataclass
@@ -50,23 +61,106 @@ class CPUKernelOps(Ops):
 
     def attach(self, model: nn.Module) -> None:
         """Also repacks every ``Linear`` weight into the kernels' panel layout, dropping the
-        ``[out, in]`` copy."""
+        ``[out, in]`` copy: from the GGUF blocks (``quantized``) where the model's config
+        names its GGUF source and the tensor's type has a kernel, else from fp32."""
         from neuron_runtime.layers.linear import Linear
 
         super().attach(model)
-        for module in model.modules():
+        quantized = self._quantized_linears(model)
+        for name, module in model.named_modules():
             if isinstance(module, Linear):
-                module.packed = self.kernels.pack(module.weight)
+                panels = quantized.get(name)
+                if panels is not None:
+                    module.quantized = panels  # type: ignore[assignment]
+                    module.packed = None
+                else:
+                    module.packed = self.kernels.pack(module.weight)
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
+    def _quantized_linears(self, model: nn.Module) -> dict[str, QuantizedPanels]:
+        """Packed GGUF blocks by Linear module name; the tied or separate lm_head's go on the
+        logits head (``head.quantized``, with the weight it stands for)."""
+        from neuron_runtime.gguf_convert import quantized_tensors
+        from neuron_runtime.layers.linear import Linear
+        from neuron_runtime.layers.logits import LogitsHead
+
+        config = getattr(model, "config", None)
+        quant = config.get("quantization_config") if isinstance(config, dict) else None
+        if not isinstance(quant, dict) or quant.get("quant_method") != "gguf":
+            return {}
+        tensors = quantized_tensors(quant["file"])
+        target = getattr(model, "checkpoint_target", lambda name: (name, None))
+        parts: dict[str, list[tuple[int, QuantizedTensor]]] = {}
+        for hf_name, tensor in tensors.items():
+            param, shard = target(hf_name)
+            parts.setdefault(param.removesuffix(".weight"), []).append((shard or 0, tensor))
+        packed: dict[str, QuantizedPanels] = {}
+        fp32: Counter[str] = Counter()
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and name in parts:
+                shards = [t for _, t in sorted(parts[name], key=lambda p: p[0])]
+                panels = self._pack(shards, module.out_features, module.in_features)
+                if panels is None:
+                    fp32.update(t.ggml_type for t in shards)
+                else:
+                    packed[name] = panels
+        head = getattr(model, "logits_head", None)
+        head_name = "model.embed_tokens" if getattr(model, "lm_head", None) is None else "lm_head"
+        head_format = ""
+        if isinstance(head, LogitsHead) and head_name in parts:
+            weight: torch.Tensor = model.lm_head_weight  # type: ignore[assignment]
+            shards = [t for _, t in parts[head_name]]
+            vocab, hidden = weight.shape
+            head_panels = self._pack(shards, vocab, hidden)
+            if head_panels is None:
+                fp32.update(t.ggml_type for t in shards)
+            else:
+                head.quantized = (weight, head_panels)  # type: ignore[assignment]
+                head_format = f", the logits head in {head_panels.format}"
+        kinds = Counter(p.format for p in packed.values())
+        logger.info(
+            "CPU kernels on the GGUF blocks of %s: %s linear layers (%s)%s",
+            quant["file"],
+            len(packed),
+            ", ".join(f"{n} {f}" for f, n in sorted(kinds.items())) or "none",
+            head_format,
+        )
+        if fp32:
+            logger.warning(
+                "no CPU kernel for GGUF tensor types %s: those layers run on fp32 weights",
+                ", ".join(f"{t} ({n} tensors)" for t, n in sorted(fp32.items())),
+            )
+        return packed
+
+    def _pack(self, shards: list[QuantizedTensor], out: int, width: int) -> QuantizedPanels | None:
+        """One Linear's GGUF tensors (its fused parts in order) as panels, or None when their
+        types have no kernel, differ, or do not make up an ``[out, width]`` weight."""
+        import numpy as np
+
+        kinds = {t.ggml_type for t in shards}
+        if len(kinds) != 1 or next(iter(kinds)) not in QUANTIZED_FORMATS:
+            return None
+        if sum(t.rows for t in shards) != out or any(t.width != width for t in shards):
+            return None
+        fmt = QUANTIZED_FORMATS[next(iter(kinds))]
+        blocks = np.concatenate([t.blocks for t in shards]) if len(shards) > 1 else shards[0].blocks
+        pack = self.kernels.pack_q4_1 if fmt == "q4_1" else self.kernels.pack_q8_0
+        return pack(blocks, out, width)
+
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.packed is None:  # not attached (built after the backend prepared the model)
+        packed: torch.Tensor | QuantizedPanels | None = getattr(layer, "quantized", None)
+        if packed is None:
+            packed = layer.packed
+        if packed is None:  # not attached (built after the backend prepared the model)
             return F.linear(x, layer.weight, layer.bias)
         rows = x.reshape(-1, layer.in_features).contiguous()
-        y = self.kernels.linear(rows, layer.packed, layer.bias, layer.out_features)
+        y = self.kernels.linear(rows, packed, layer.bias, layer.out_features)
         return y.view(*x.shape[:-1], layer.out_features)
 
     def logits(self, head: LogitsHead, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        quantized = getattr(head, "quantized", None)
+        if quantized is not None and quantized[0] is weight:  # still the weight it was made of
+            return self.kernels.linear(hidden.contiguous(), quantized[1], None, weight.shape[0])
         if head.packed.numel() == 0:
             head.packed = self.kernels.pack(weight)
         return self.kernels.linear(hidden.contiguous(), head.packed, None, weight.shape[0])
