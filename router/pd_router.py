@@ -148,12 +148,13 @@ class PDRouter:
         which recomputes prompt + those tokens, as a migrated decode does.
         """
         decode_request = None
+        opening: asyncio.Task[AsyncGenerator[StepOutput, None]] | None = None
         tokens = list(request.resume_token_ids)
         if not tokens:
             result = await self._prefill(request)
             self._note(result.step.stats)
-            yield result.step
             if result.handoff is None:
+                yield result.step
                 return  # the request ended on its first token
             decode_request = DecodeRequest(
                 request_id=request.request_id,
@@ -164,7 +165,15 @@ class PDRouter:
                 images=request.images,
                 trace_context=request.trace_context,
             )
+            # The decode call goes out before the first token is passed on: the decode
+            # replica reads the KV while that token travels to the client.
+            opening = asyncio.ensure_future(self._open_decode(decode_request))
             tokens = [t for delta in result.step.seqs for t in delta.token_ids]
+            try:
+                yield result.step
+            except BaseException:  # the caller left after the first token
+                await _close_opening(opening)
+                raise
             del result
         # A decode replica lost mid-stream: the request resumes on another one, which
         # recomputes prompt + the tokens passed on so far (no handoff, resume_token_ids).
@@ -189,10 +198,10 @@ class PDRouter:
         self.num_kv_refs_held += 1
         try:
             try:
-                if decode_request is None:
+                if opening is None:
                     first_steps = await reopen(tokens, 0)
                 else:
-                    first_steps = await self._open_decode(decode_request)
+                    first_steps = await opening
             except Exception as exc:
                 if not is_replica_lost(exc):
                     raise
@@ -214,7 +223,7 @@ class PDRouter:
         finally:
             self.num_kv_refs_held -= 1
 
-    async def _open_decode(self, request: DecodeRequest) -> AsyncIterator[StepOutput]:
+    async def _open_decode(self, request: DecodeRequest) -> AsyncGenerator[StepOutput, None]:
         """Submits a decode call and waits for its first step; the call's steps."""
         steps = self.decode_steps
         steps.expect(request.request_id)
@@ -297,3 +306,19 @@ class PDRouter:
         if self.encoder is not None:
             probes.append(self.encoder.check_health())
         await asyncio.gather(*probes)
+
+
+async def _close_opening(opening: asyncio.Task[AsyncGenerator[StepOutput, None]]) -> None:
+    """Ends a decode call opened for a caller that left: cancelled while it waits for its
+    first step (``_open_decode`` then cancels the call), or its steps closed once it has one."""
+    if not opening.done():
+        opening.cancel()
+        with contextlib.suppress(BaseException):
+            await opening
+        return
+    if opening.cancelled() or opening.exception() is not None:
+        return
+    steps = opening.result()
+    with contextlib.suppress(Exception):
+        await anext(steps)  # enters the generator: closing it then ends the call's stream
+    await steps.aclose()
