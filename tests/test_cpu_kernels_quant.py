@@ -62,7 +62,7 @@ def test_identity_rows_give_the_dequantized_weight_bit_for_bit(k, fmt, out, widt
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("rows", [1, 4, 13, 70])
+@pytest.mark.parametrize("rows", [1, 2, 4, 12, 13, 70, 128])
 def test_random_rows_match_torch_on_the_dequantized_weight(k, fmt, rows):
     out, width = 100, 160
     blocks, w = _quantized(fmt, out, width, seed=rows)
@@ -70,8 +70,10 @@ def test_random_rows_match_torch_on_the_dequantized_weight(k, fmt, rows):
     packed = _pack(k, fmt, blocks, out, width)
     y = k.linear(x, packed, bias, out)
     torch.testing.assert_close(y, x @ w.T + bias, atol=1e-4, rtol=1e-5)
-    # Same weights, same order of sums as the fp32 panels: the same bits.
-    assert torch.equal(y, k.linear(x, k.pack(w), bias, out))
+    if rows % 4 == 0:
+        # Tiles of 8 and 4 rows (64-row blocks through the dequantized-panel buffer): same
+        # weights and order of sums as the fp32 panels, so the same bits.
+        assert torch.equal(y, k.linear(x, k.pack(w), bias, out))
 
 
 def test_pack_refuses_blocks_that_do_not_fit(k):

@@ -360,9 +360,10 @@ void packed_linear(const float *x, const float *packed, const float *bias, float
  *        its high one: w = scale * q + min;
  *   Q8_0 (1152 bytes): scale[32] fp32, then for each input 32 int8 (column j): w = scale * q.
  * scale * q is exact in fp32 (an fp16 scale times an integer under 2^8), so w is the value the
- * GGUF dequantizer gives, bit for bit, and the sums run in the order of packed_linear's: the
- * result equals packed_linear on the dequantized weights.
- * Each row tile dequantizes the panel's weights again (up to TILE_ROWS rows share it).
+ * GGUF dequantizer gives, bit for bit; tiles of 4 and more rows also sum in packed_linear's
+ * order, so they give its results on the dequantized weights exactly (see tile_q).
+ * Each row tile dequantizes the panel's weights in registers again (up to TILE_ROWS rows
+ * share them); row blocks of many tiles dequantize each panel once into a buffer.
  */
 #define QBLOCK 32
 #define Q4_1_RECORD 768
@@ -426,53 +427,110 @@ typedef float vec8 __attribute__((vector_size(32)));
 #define KEEP(v) __asm__("" : "+m"(v))
 #endif
 
+/* The 32 weights (columns 0-15, 16-31) of input i of a record. */
+static inline __attribute__((always_inline)) void dequant(const uint8_t *rec, int format, int i,
+                                                          vec16 *w0, vec16 *w1) {
+    if (format == FORMAT_Q4_1) {
+        const vec16 d0 = *(const vec16u *)rec, d1 = *(const vec16u *)(rec + 64);
+        const vec16 m0 = *(const vec16u *)(rec + 128), m1 = *(const vec16u *)(rec + 192);
+        const i32x16 v = widen_u8(rec + 256 + i * 16);
+        vec16 a = __builtin_convertvector(v & 15, vec16) * d0 + m0;
+        vec16 b = __builtin_convertvector(v >> 4, vec16) * d1 + m1;
+        KEEP(a);
+        KEEP(b);
+        *w0 = a;
+        *w1 = b;
+    } else {
+        const vec16 d0 = *(const vec16u *)rec, d1 = *(const vec16u *)(rec + 64);
+        vec16 a = __builtin_convertvector(widen_i8(rec + 128 + i * 32), vec16) * d0;
+        vec16 b = __builtin_convertvector(widen_i8(rec + 128 + i * 32 + 16), vec16) * d1;
+        KEEP(a);
+        KEEP(b);
+        *w0 = a;
+        *w1 = b;
+    }
+}
+
+/*
+ * A tile on quantized weights. With one or two rows the adds of a running sum, not memory,
+ * bound it (each input waits for the last one's FMA), so those tiles keep `sets` partial sums
+ * over interleaved inputs (input i into set i % sets) and add them at the end; wider tiles
+ * sum in packed_linear's order.
+ */
 static inline __attribute__((always_inline)) void tile_q(const float *x, int64_t in,
                                                          const uint8_t *panel, int format,
                                                          const float *bias, float *y,
                                                          int64_t out, int64_t cols, int rows) {
-    vec16 acc[TILE_ROWS][2];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (vec16){0};
+    const int64_t record = format == FORMAT_Q4_1 ? Q4_1_RECORD : Q8_0_RECORD;
+    const int sets = rows == 1 ? 4 : rows == 2 ? 2 : 1;
+    vec16 acc[4][TILE_ROWS][2];
+    for (int s = 0; s < sets; s++)
+        for (int r = 0; r < rows; r++) acc[s][r][0] = acc[s][r][1] = (vec16){0};
     const int64_t blocks = in / QBLOCK;
     for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *rec = panel + b * record;
         const float *xb = x + b * QBLOCK;
-        if (format == FORMAT_Q4_1) {
-            const uint8_t *rec = panel + b * Q4_1_RECORD;
-            const vec16 d0 = *(const vec16u *)rec, d1 = *(const vec16u *)(rec + 64);
-            const vec16 m0 = *(const vec16u *)(rec + 128), m1 = *(const vec16u *)(rec + 192);
-            const uint8_t *q = rec + 256;
-            for (int i = 0; i < QBLOCK; i++) {
-                const i32x16 v = widen_u8(q + i * 16);
-                vec16 w0 = __builtin_convertvector(v & 15, vec16) * d0 + m0;
-                vec16 w1 = __builtin_convertvector(v >> 4, vec16) * d1 + m1;
-                KEEP(w0);
-                KEEP(w1);
+        for (int i0 = 0; i0 < QBLOCK; i0 += sets) {
+            for (int s = 0; s < sets; s++) {
+                const int i = i0 + s;
+                vec16 w0, w1;
+                dequant(rec, format, i, &w0, &w1);
                 for (int r = 0; r < rows; r++) {
                     const float xi = xb[r * in + i];
-                    acc[r][0] += xi * w0;
-                    acc[r][1] += xi * w1;
-                }
-            }
-        } else {
-            const uint8_t *rec = panel + b * Q8_0_RECORD;
-            const vec16 d0 = *(const vec16u *)rec, d1 = *(const vec16u *)(rec + 64);
-            const uint8_t *q = rec + 128;
-            for (int i = 0; i < QBLOCK; i++) {
-                vec16 w0 = __builtin_convertvector(widen_i8(q + i * 32), vec16) * d0;
-                vec16 w1 = __builtin_convertvector(widen_i8(q + i * 32 + 16), vec16) * d1;
-                KEEP(w0);
-                KEEP(w1);
-                for (int r = 0; r < rows; r++) {
-                    const float xi = xb[r * in + i];
-                    acc[r][0] += xi * w0;
-                    acc[r][1] += xi * w1;
+                    acc[s][r][0] += xi * w0;
+                    acc[s][r][1] += xi * w1;
                 }
             }
         }
     }
     for (int r = 0; r < rows; r++) {
+        for (int s = 1; s < sets; s++) {
+            acc[0][r][0] += acc[s][r][0];
+            acc[0][r][1] += acc[s][r][1];
+        }
         float sums[PANEL], *yr = y + r * out;
-        memcpy(sums, acc[r], sizeof(sums));
+        memcpy(sums, acc[0][r], sizeof(sums));
         for (int64_t j = 0; j < cols; j++) yr[j] = bias != NULL ? sums[j] + bias[j] : sums[j];
+    }
+}
+
+/*
+ * With more than DEQUANT_TILES row tiles on a panel, dequantizing it once into fp32 panel
+ * layout (a per-thread buffer) and running packed_linear's tiles on that costs less than
+ * dequantizing it per tile; the weights and the sums are the same either way.
+ */
+#define DEQUANT_TILES 2
+
+static pthread_key_t panel_buffer_key;
+static pthread_once_t panel_buffer_once = PTHREAD_ONCE_INIT;
+static __thread float *panel_buffer;
+static __thread int64_t panel_buffer_floats;
+
+static void make_panel_buffer_key(void) { pthread_key_create(&panel_buffer_key, free); }
+
+/* This thread's buffer of at least `floats` floats (freed when the thread ends), or NULL. */
+static float *thread_panel_buffer(int64_t floats) {
+    if (panel_buffer_floats >= floats) return panel_buffer;
+    pthread_once(&panel_buffer_once, make_panel_buffer_key);
+    free(panel_buffer);
+    panel_buffer = aligned_alloc(64, (size_t)floats * sizeof(float));
+    panel_buffer_floats = panel_buffer != NULL ? floats : 0;
+    pthread_setspecific(panel_buffer_key, panel_buffer);
+    return panel_buffer;
+}
+
+static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *panel,
+                                                                int64_t in, int format,
+                                                                float *dst) {
+    const int64_t record = format == FORMAT_Q4_1 ? Q4_1_RECORD : Q8_0_RECORD;
+    for (int64_t b = 0; b < in / QBLOCK; b++) {
+        const uint8_t *rec = panel + b * record;
+        for (int i = 0; i < QBLOCK; i++) {
+            vec16 w0, w1;
+            dequant(rec, format, i, &w0, &w1);
+            *(vec16 *)(dst + (b * QBLOCK + i) * PANEL) = w0;
+            *(vec16 *)(dst + (b * QBLOCK + i) * PANEL + 16) = w1;
+        }
     }
 }
 
@@ -497,6 +555,13 @@ struct qlinear_job {
             const float *b = j->bias != NULL ? j->bias + c0 : NULL;                          \
             float *yp = j->y + c0;                                                           \
             int64_t r = r0;                                                                  \
+            float *buf = r1 - r0 > DEQUANT_TILES * TILE_ROWS ? thread_panel_buffer(in * PANEL) \
+                                                             : NULL;                         \
+            if (buf != NULL) {                                                               \
+                dequant_panel(panel, in, FORMAT, buf);                                       \
+                for (; r + TILE_ROWS <= r1; r += TILE_ROWS)                                  \
+                    tile(j->x + r * in, in, buf, b, yp + r * out, out, cols, TILE_ROWS, NULL, 0); \
+            }                                                                                \
             for (; r + TILE_ROWS <= r1; r += TILE_ROWS)                                      \
                 tile_q(j->x + r * in, in, panel, FORMAT, b, yp + r * out, out, cols,         \
                        TILE_ROWS);                                                           \
