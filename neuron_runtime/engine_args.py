@@ -128,9 +128,10 @@ class EngineArgs:
         )
 
     def _with_quantization(self, path: Any, hf_config: dict[str, Any]) -> dict[str, Any]:
-        """``hf_config`` with a ``quantization_config`` naming the GGUF source when its
-        quantized blocks are to be used (one CPU process: a tensor-parallel rank slices
-        fp32 weights)."""
+        """``hf_config`` with a GGUF ``quantization_config`` when the source file's quantized
+        blocks are to be used (one CPU process: a tensor-parallel rank slices fp32 weights);
+        ``load_model`` finds the file. No path goes in: the config fingerprints the model
+        for KV transfers between hosts."""
         if self.quantization not in (None, "gguf", "none"):
             raise ValueError(
                 f"quantization must be 'gguf', 'none' or unset, got {self.quantization!r}"
@@ -148,7 +149,7 @@ class EngineArgs:
             or self.tensor_parallel_size > 1
         ):
             return hf_config
-        return {**hf_config, "quantization_config": {"quant_method": "gguf", "file": str(source)}}
+        return {**hf_config, "quantization_config": {"quant_method": "gguf"}}
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative_config is None:

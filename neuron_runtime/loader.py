@@ -74,6 +74,12 @@ def load_model(
     weights = iter_weights(path, rank_slice=checkpoint_slicer(model))
     cast(WeightLoadable, model).load_weights(weights)
     finish_loading(model)
+    quant = hf_config.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
+        from neuron_runtime.model_store import gguf_source
+
+        # The CPU kernels pack the quantized blocks of the file the folder was converted from.
+        model.gguf_file = gguf_source(path)  # type: ignore[assignment]
     return model.eval()
 
 

@@ -1,11 +1,11 @@
 """The CPU backend's ops on the fused C kernels (backends/cpu_kernels.c).
 
 Linear layers and the logits head run on the packed-panel GEMM over weights repacked once at
-``attach``: from the GGUF file's Q4_1 / Q8_0 blocks when the model came from one (its
-``quantization_config``, engine_args.py), dequantized in registers to the very fp32 values of
-the converted checkpoint, else from the fp32 weights. Add+RMSNorm, SiLU-and-mul, rotary and
-the KV write are fused; decodes attend in one kernel call over padded block tables.
-Prefill slices keep the torch path (SDPA).
+``attach``: from the GGUF file's Q4_1 / Q8_0 blocks when the model came from one (a GGUF
+``quantization_config``, engine_args.py; loader.py finds the file), dequantized in registers
+to the very fp32 values of the converted checkpoint, else from the fp32 weights. Add+RMSNorm,
+SiLU-and-mul, rotary and the KV write are fused; decodes attend in one kernel call over padded
+block tables. Prefill slices keep the torch path (SDPA).
 """
 
 from __future__ import annotations
@@ -84,11 +84,10 @@ class CPUKernelOps(Ops):
         from neuron_runtime.layers.linear import Linear
         from neuron_runtime.layers.logits import LogitsHead
 
-        config = getattr(model, "config", None)
-        quant = config.get("quantization_config") if isinstance(config, dict) else None
-        if not isinstance(quant, dict) or quant.get("quant_method") != "gguf":
+        source = getattr(model, "gguf_file", None)  # loader.load_model, for GGUF quantization
+        if source is None:
             return {}
-        tensors = quantized_tensors(quant["file"])
+        tensors = quantized_tensors(source)
         target = getattr(model, "checkpoint_target", lambda name: (name, None))
         parts: dict[str, list[tuple[int, QuantizedTensor]]] = {}
         for hf_name, tensor in tensors.items():
@@ -120,7 +119,7 @@ class CPUKernelOps(Ops):
         kinds = Counter(p.format for p in packed.values())
         logger.info(
             "CPU kernels on the GGUF blocks of %s: %s linear layers (%s)%s",
-            quant["file"],
+            source,
             len(packed),
             ", ".join(f"{n} {f}" for f, n in sorted(kinds.items())) or "none",
             head_format,
