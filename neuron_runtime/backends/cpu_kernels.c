@@ -460,7 +460,8 @@ static inline __attribute__((always_inline)) void dequant(const uint8_t *rec, in
 static inline __attribute__((always_inline)) void tile_q(const float *x, int64_t in,
                                                          const uint8_t *panel, int format,
                                                          const float *bias, float *y,
-                                                         int64_t out, int64_t cols, int rows) {
+                                                         int64_t out, int64_t cols, int rows,
+                                                         float *store) {
     const int64_t record = format == FORMAT_Q4_1 ? Q4_1_RECORD : Q8_0_RECORD;
     const int sets = rows == 1 ? 4 : rows == 2 ? 2 : 1;
     vec16 acc[4][TILE_ROWS][2];
@@ -475,6 +476,10 @@ static inline __attribute__((always_inline)) void tile_q(const float *x, int64_t
                 const int i = i0 + s;
                 vec16 w0, w1;
                 dequant(rec, format, i, &w0, &w1);
+                if (store != NULL) { /* the weights in fp32 panel layout, for later tiles */
+                    *(vec16 *)(store + (b * QBLOCK + i) * PANEL) = w0;
+                    *(vec16 *)(store + (b * QBLOCK + i) * PANEL + 16) = w1;
+                }
                 for (int r = 0; r < rows; r++) {
                     const float xi = xb[r * in + i];
                     acc[s][r][0] += xi * w0;
@@ -495,9 +500,10 @@ static inline __attribute__((always_inline)) void tile_q(const float *x, int64_t
 }
 
 /*
- * With more than DEQUANT_TILES row tiles on a panel, dequantizing it once into fp32 panel
- * layout (a per-thread buffer) and running packed_linear's tiles on that costs less than
- * dequantizing it per tile; the weights and the sums are the same either way.
+ * With more than DEQUANT_TILES row tiles on a panel, the first one also stores the weights it
+ * dequantizes in fp32 panel layout (a per-thread buffer) and the others run packed_linear's
+ * tiles on that, which costs less than dequantizing per tile; the weights and the sums are
+ * the same either way.
  */
 #define DEQUANT_TILES 2
 
@@ -519,21 +525,6 @@ static float *thread_panel_buffer(int64_t floats) {
     return panel_buffer;
 }
 
-static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *panel,
-                                                                int64_t in, int format,
-                                                                float *dst) {
-    const int64_t record = format == FORMAT_Q4_1 ? Q4_1_RECORD : Q8_0_RECORD;
-    for (int64_t b = 0; b < in / QBLOCK; b++) {
-        const uint8_t *rec = panel + b * record;
-        for (int i = 0; i < QBLOCK; i++) {
-            vec16 w0, w1;
-            dequant(rec, format, i, &w0, &w1);
-            *(vec16 *)(dst + (b * QBLOCK + i) * PANEL) = w0;
-            *(vec16 *)(dst + (b * QBLOCK + i) * PANEL + 16) = w1;
-        }
-    }
-}
-
 struct qlinear_job {
     const float *x;
     const uint8_t *packed;
@@ -543,42 +534,63 @@ struct qlinear_job {
     int format;
 };
 
-/* Rows [r0, r1) (one row block) times panels [p0, p1), as linear_block. The format is a
- * constant in each instantiation, so the branch in tile_q folds away. */
-#define QLINEAR_BLOCK(name, FORMAT, RECORD)                                                  \
-    static void name(const struct qlinear_job *j, int64_t r0, int64_t r1, int64_t p0,        \
-                     int64_t p1) {                                                           \
-        const int64_t in = j->in, out = j->out;                                              \
-        for (int64_t p = p0; p < p1; p++) {                                                  \
-            const uint8_t *panel = j->packed + p * (in / QBLOCK) * (RECORD);                 \
-            const int64_t c0 = p * PANEL, cols = out - c0 < PANEL ? out - c0 : PANEL;        \
-            const float *b = j->bias != NULL ? j->bias + c0 : NULL;                          \
-            float *yp = j->y + c0;                                                           \
-            int64_t r = r0;                                                                  \
-            float *buf = r1 - r0 > DEQUANT_TILES * TILE_ROWS ? thread_panel_buffer(in * PANEL) \
-                                                             : NULL;                         \
-            if (buf != NULL) {                                                               \
-                dequant_panel(panel, in, FORMAT, buf);                                       \
-                for (; r + TILE_ROWS <= r1; r += TILE_ROWS)                                  \
-                    tile(j->x + r * in, in, buf, b, yp + r * out, out, cols, TILE_ROWS, NULL, 0); \
-            }                                                                                \
-            for (; r + TILE_ROWS <= r1; r += TILE_ROWS)                                      \
-                tile_q(j->x + r * in, in, panel, FORMAT, b, yp + r * out, out, cols,         \
-                       TILE_ROWS);                                                           \
-            if (r + 4 <= r1) {                                                               \
-                tile_q(j->x + r * in, in, panel, FORMAT, b, yp + r * out, out, cols, 4);     \
-                r += 4;                                                                      \
-            }                                                                                \
-            if (r + 2 <= r1) {                                                               \
-                tile_q(j->x + r * in, in, panel, FORMAT, b, yp + r * out, out, cols, 2);     \
-                r += 2;                                                                      \
-            }                                                                                \
-            if (r < r1) tile_q(j->x + r * in, in, panel, FORMAT, b, yp + r * out, out, cols, 1); \
-        }                                                                                    \
+/* Rows [r0, r1) (one row block) times panels [p0, p1), as linear_block; `format` is a
+ * constant in each caller below, so tile_q's branches on it fold away. */
+static inline __attribute__((always_inline)) void qlinear_block(const struct qlinear_job *j,
+                                                                int64_t r0, int64_t r1,
+                                                                int64_t p0, int64_t p1,
+                                                                int format) {
+    const int64_t in = j->in, out = j->out;
+    const int64_t bytes = in / QBLOCK * (format == FORMAT_Q4_1 ? Q4_1_RECORD : Q8_0_RECORD);
+    float *buf = r1 - r0 > DEQUANT_TILES * TILE_ROWS ? thread_panel_buffer(in * PANEL) : NULL;
+    for (int64_t p = p0; p < p1; p++) {
+        const uint8_t *panel = j->packed + p * bytes;
+        const int64_t c0 = p * PANEL, cols = out - c0 < PANEL ? out - c0 : PANEL;
+        const float *b = j->bias != NULL ? j->bias + c0 : NULL;
+        const float *x = j->x;
+        float *yp = j->y + c0;
+        int64_t r = r0;
+        if (buf != NULL) {
+            /* The first tile dequantizes into buf, the others run on it; the next panel's
+             * blocks come in meanwhile. */
+            tile_q(x + r * in, in, panel, format, b, yp + r * out, out, cols, TILE_ROWS, buf);
+            r += TILE_ROWS;
+            if (p + 1 < p1)
+                for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(panel + bytes + o, 0, 3);
+#define TILE(n)                                                                              \
+    do {                                                                                     \
+        tile(x + r * in, in, buf, b, yp + r * out, out, cols, n, NULL, 0);                   \
+        r += n;                                                                              \
+    } while (0)
+            while (r + TILE_ROWS <= r1) TILE(TILE_ROWS);
+            if (r + 4 <= r1) TILE(4);
+            if (r + 2 <= r1) TILE(2);
+            if (r < r1) TILE(1);
+#undef TILE
+            continue;
+        }
+#define TILE(n)                                                                              \
+    do {                                                                                     \
+        tile_q(x + r * in, in, panel, format, b, yp + r * out, out, cols, n, NULL);          \
+        r += n;                                                                              \
+    } while (0)
+        while (r + TILE_ROWS <= r1) TILE(TILE_ROWS);
+        if (r + 4 <= r1) TILE(4);
+        if (r + 2 <= r1) TILE(2);
+        if (r < r1) TILE(1);
+#undef TILE
     }
-QLINEAR_BLOCK(q4_1_block, FORMAT_Q4_1, Q4_1_RECORD)
-QLINEAR_BLOCK(q8_0_block, FORMAT_Q8_0, Q8_0_RECORD)
-#undef QLINEAR_BLOCK
+}
+
+static void q4_1_block(const struct qlinear_job *j, int64_t r0, int64_t r1, int64_t p0,
+                       int64_t p1) {
+    qlinear_block(j, r0, r1, p0, p1, FORMAT_Q4_1);
+}
+
+static void q8_0_block(const struct qlinear_job *j, int64_t r0, int64_t r1, int64_t p0,
+                       int64_t p1) {
+    qlinear_block(j, r0, r1, p0, p1, FORMAT_Q8_0);
+}
 
 static void qlinear_tasks(const void *ctx, int64_t begin, int64_t end) {
     const struct qlinear_job *j = ctx;
