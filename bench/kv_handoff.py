@@ -11,7 +11,8 @@ heads x 64, 720 KiB of KV per 16-token block):
    progress as the engine's forward does; object_store: the ref read on the decode side)
    and the import (object_store: the array written into the decode blocks; nixl has none:
    the READ lands in them). A plain memory copy of the same bytes in the decode actor (best
-   of three, warm) is the bandwidth reference.
+   of three, warm) is the bandwidth reference; one READ of every layer posted inline on the
+   actor's thread just before the layer-wise read is the transport's own ceiling.
 2. The second token without Serve, per prompt in turn: one engine's decode step after its
    first token (colocated) against each transport's path on the decode actor after the
    prefill actor's export: the Ray hop, the receive (the peer loaded once), then nixl: the
@@ -172,6 +173,23 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
         async def held_blocks(self) -> int:
             return self.engine.stats().num_kv_blocks_held
 
+        def inline_read(self, kv, blocks: list[int]) -> float:  # noqa: ANN001
+            """The transport's ceiling: the same blocks in one READ over every layer, posted
+            and waited for on this thread (no notification: the layer-wise read follows)."""
+            from deployments.nixl_transport import layer_cells
+
+            transport = self.transports["nixl"]
+            layout, link = transport.layout, kv.link
+            local = layer_cells(layout, layout.num_blocks, blocks).reshape(-1)
+            remote = layer_cells(kv.layout, link.info.layout.num_blocks, kv.handoff.block_ids)
+            before = time.perf_counter()
+            handle = transport.post(link, local, remote.reshape(-1))
+            while transport.state(handle) == "PROC":
+                pass
+            seconds = time.perf_counter() - before
+            transport.finish(handle)
+            return seconds
+
         async def receive(self, transport: str, handoff) -> dict:  # noqa: ANN001
             """Ticket -> KV in this engine's blocks; the times of each part."""
             import torch
@@ -192,6 +210,7 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
                 engine.runner.import_kv(blocks, kv)
                 out["import_s"] = time.perf_counter() - before
             else:
+                out["inline_s"] = self.inline_read(kv, blocks)
                 kv.start(blocks)
                 # Waited for as the engine's forward waits for a layer: on the read's
                 # progress, woken when the reader thread counts the last layer in.
@@ -304,6 +323,7 @@ def aggregate(samples: list[dict]) -> dict:
         "receive_s",
         "queue_s",
         "post_s",
+        "inline_s",
         "memcpy_s",
     ):
         values = [s[key] for s in samples if key in s]
@@ -320,7 +340,8 @@ def print_component(length: int, transport: str, row: dict) -> None:
     if "read_ms" in row:
         read = (
             f" (receive {row['receive_ms']:.2f}, to the reader {row['queue_ms']:.2f}, "
-            f"READs {row['read_ms']:.2f} of which posting {row['post_ms']:.2f})"
+            f"READs {row['read_ms']:.2f} of which posting {row['post_ms']:.2f}; one READ "
+            f"inline {row['inline_ms']:.2f} = {row['bytes'] / row['inline_ms'] / 1e6:.2f} GB/s)"
         )
     print(
         f"{length:>5} tok {transport:<12} {row['bytes'] / 2**20:7.1f} MiB  "

@@ -412,7 +412,8 @@ PY_SPY = Path(sys.executable).with_name("py-spy")
 
 
 def start_profiles(app: str, seconds: float, out: Path) -> list[tuple[str, subprocess.Popen]]:
-    """py-spy record (raw collapsed stacks, idle excluded) of each of the app's replicas."""
+    """py-spy record (raw collapsed stacks, idle excluded) of each of the app's replicas and
+    of Serve's HTTP proxy."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob(f"{app}-*.txt"):
         stale.unlink()
@@ -422,9 +423,12 @@ def start_profiles(app: str, seconds: float, out: Path) -> list[tuple[str, subpr
             title = _title(proc)
         except psutil.Error:
             continue
-        if not title.startswith(f"ray::ServeReplica:{app}:"):
+        if title.startswith(f"ray::ServeReplica:{app}:"):
+            name = title.rsplit(":", 1)[1]
+        elif title.startswith("ray::ProxyActor"):  # the HTTP proxy every app's traffic takes
+            name = "ProxyActor"
+        else:
             continue
-        name = title.rsplit(":", 1)[1]
         cmd = [str(PY_SPY), "record", "--pid", str(proc.pid), "--duration", str(int(seconds))]
         cmd += ["--rate", "100", "--format", "raw", "--nonblocking"]
         cmd += ["--output", str(out / f"{app}-{name}.txt")]
