@@ -64,7 +64,11 @@ def main() -> None:
     if fused is None:
         raise SystemExit("the CPU kernels are off or did not build")
     load_before = uptime()
-    cfg = EngineArgs(model=args.model, max_model_len=256).create_engine_config().model
+    try:  # a GGUF model: its blocks beside the fp32 panels
+        engine_args = EngineArgs(model=args.model, max_model_len=256, quantization="gguf")
+        cfg = engine_args.create_engine_config().model
+    except ValueError:
+        cfg = EngineArgs(model=args.model, max_model_len=256).create_engine_config().model
     model = load_model(model_class(cfg.architecture), cfg.hf_config, cfg.path)
     names = [n for n, m in model.named_modules() if isinstance(m, Linear)]
     layers = [model.get_submodule(n) for n in names]

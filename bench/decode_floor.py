@@ -113,11 +113,21 @@ def main() -> None:
             quantization="none",
         )
     }
-    gguf = LLM(model=args.model, max_model_len=2048, enable_prefix_caching=False, num_threads=1)
-    if getattr(gguf.engine.runner.model.logits_head, "quantized", None) is not None:
-        llms["gguf"] = gguf
+    try:
+        gguf = LLM(
+            model=args.model,
+            max_model_len=2048,
+            enable_prefix_caching=False,
+            num_threads=1,
+            quantization="gguf",
+        )
+    except ValueError:
+        pass  # not a GGUF model: one path only
     else:
-        del gguf  # not a GGUF model, or no CPU kernels: one path only
+        if getattr(gguf.engine.runner.model.logits_head, "quantized", None) is not None:
+            llms["gguf"] = gguf
+        else:
+            del gguf  # no CPU kernels: one path only
     weights = {path: weight_bytes_per_step(llm) for path, llm in llms.items()}
     bandwidth = {t: read_bandwidth(4 * weights["fp32"], t, args.repeats) for t in (1, 2)}
     tpot: dict[str, dict[int, float]] = {path: {} for path in llms}

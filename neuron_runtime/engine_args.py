@@ -64,9 +64,9 @@ class EngineArgs:
     # Speculative decoding, vLLM's keys (spec_decode/config.py): {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_max": 3}, draft_model, eagle, eagle3.
     speculative_config: dict[str, Any] | None = None
-    # Weights of a GGUF model: None keeps them in the file's quantization where the CPU
-    # kernels run them (Q4_1, Q8_0; backends/cpu_ops.py), else fp32; "none" is always fp32
-    # (the dequantized checkpoint, for like-for-like comparisons); "gguf" requires a GGUF.
+    # Weights of a GGUF model: unset or "none" runs the dequantized fp32 checkpoint (the
+    # reference for token identity); "gguf" keeps the file's Q4_1 / Q8_0 blocks on the CPU
+    # kernels (backends/cpu_ops.py; one process on the CPU, other tensor types fp32).
     quantization: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -129,7 +129,7 @@ class EngineArgs:
 
     def _with_quantization(self, path: Any, hf_config: dict[str, Any]) -> dict[str, Any]:
         """``hf_config`` with a GGUF ``quantization_config`` when the source file's quantized
-        blocks are to be used (one CPU process: a tensor-parallel rank slices fp32 weights);
+        blocks are asked for (one CPU process: a tensor-parallel rank slices fp32 weights);
         ``load_model`` finds the file. No path goes in: the config fingerprints the model
         for KV transfers between hosts."""
         if self.quantization not in (None, "gguf", "none"):
@@ -142,13 +142,14 @@ class EngineArgs:
                 f"quantization 'gguf' needs a model converted from a .gguf file; {self.model!r} "
                 "is not one (or its .gguf file changed since)"
             )
-        if (
-            source is None
-            or self.quantization == "none"
-            or self.device != "cpu"
-            or self.tensor_parallel_size > 1
-        ):
+        if self.quantization != "gguf":
             return hf_config
+        if self.device != "cpu" or self.tensor_parallel_size > 1:
+            raise ValueError(
+                "quantization 'gguf' runs on the CPU kernels of one process (device 'cpu', "
+                f"tensor_parallel_size 1), got device {self.device!r}, "
+                f"tensor_parallel_size {self.tensor_parallel_size}"
+            )
         return {**hf_config, "quantization_config": {"quant_method": "gguf"}}
 
     def _speculative_config(self) -> SpeculativeConfig | None:

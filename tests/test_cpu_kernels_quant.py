@@ -108,7 +108,7 @@ def test_default_model_layers_map_onto_their_gguf_blocks(default_model_path):
     tied logits head compute with exactly the converted checkpoint's fp32 weights."""
     k = cpu_kernels.kernels()
     assert k is not None
-    cfg = _default_model(None)
+    cfg = _default_model("gguf")
     assert cfg.hf_config["quantization_config"]["quant_method"] == "gguf"
     model = load_model(model_class(cfg.architecture), cfg.hf_config, cfg.path)
     CPUKernelOps(k).attach(model)
@@ -132,10 +132,15 @@ def test_default_model_layers_map_onto_their_gguf_blocks(default_model_path):
 
 def test_quantization_engine_arg(tiny_llama_path, default_model_path):
     assert "quantization_config" not in _default_model("none").hf_config
+    assert "quantization_config" not in _default_model(None).hf_config  # fp32 unless asked
     # No host path in the config: it fingerprints the model for KV transfers between hosts.
     assert _default_model("gguf").hf_config["quantization_config"] == {"quant_method": "gguf"}
     with pytest.raises(ValueError, match="quantization must be"):
         _default_model("awq")
+    with pytest.raises(ValueError, match="runs on the CPU kernels of one process"):
+        EngineArgs(
+            model=DEFAULT, quantization="gguf", tensor_parallel_size=2
+        ).create_engine_config()
     with pytest.raises(ValueError, match="needs a model converted from a .gguf"):
         EngineArgs(model=str(tiny_llama_path), quantization="gguf").create_engine_config()
     plain = EngineArgs(model=str(tiny_llama_path)).create_engine_config()
@@ -145,7 +150,7 @@ def test_quantization_engine_arg(tiny_llama_path, default_model_path):
 def test_engine_on_gguf_blocks_matches_transformers(k, default_model_path):
     """Greedy tokens on the Q4_1/Q8_0 kernels equal transformers' on the converted fp32
     checkpoint, on 1 and 2 threads."""
-    llm = LLM(model=DEFAULT, max_model_len=256, num_threads=k.num_threads())
+    llm = LLM(model=DEFAULT, max_model_len=256, num_threads=k.num_threads(), quantization="gguf")
     assert llm.engine.runner.model.logits_head.quantized[1].format == "q8_0"
     tok = llm.get_tokenizer()
     prompts = [
