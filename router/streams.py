@@ -59,6 +59,57 @@ async def merge(
             task.cancel()
 
 
+async def coalesce(items: AsyncIterator[str], interval_s: float) -> AsyncGenerator[str, None]:
+    """The strings of ``items`` joined so that at most one goes out per ``interval_s``.
+
+    A string that comes ``interval_s`` or more after the last one sent goes out at once (the
+    first token is never held); one that comes sooner waits until ``interval_s`` after it, and
+    whatever else came meanwhile goes out with it. 0 sends every string as it comes. Closing
+    the result closes ``items``.
+    """
+    if interval_s <= 0:
+        async for item in items:
+            yield item
+        return
+    loop = asyncio.get_running_loop()
+    iterator = aiter(items)
+    sent_at = -float("inf")
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(iterator))
+            try:
+                batch = [await pending]
+            except StopAsyncIteration:
+                return
+            pending = None
+            due = sent_at + interval_s
+            while loop.time() < due:
+                pending = asyncio.ensure_future(anext(iterator))
+                done, _ = await asyncio.wait({pending}, timeout=due - loop.time())
+                if not done:
+                    break  # it stays pending for the next batch
+                finished, pending = pending, None
+                try:
+                    batch.append(finished.result())
+                except StopAsyncIteration:
+                    yield "".join(batch)
+                    return
+                except Exception:  # after what came before it
+                    yield "".join(batch)
+                    raise
+            sent_at = loop.time()
+            yield "".join(batch)
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.wait({pending})
+        close = getattr(items, "aclose", None)
+        if close is not None:
+            await close()  # the source's own cleanup (the engine streams' cancel) runs now
+
+
 class StepSubscriber:
     """The receiving end of step channels (deployments/step_channel.py) in one downstream
     replica, demultiplexed into per-request queues.

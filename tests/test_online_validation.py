@@ -129,7 +129,9 @@ def test_checks_pass_on_the_default_model_and_fail_with_a_perturbed_layer(
         # The kept row is the one the first token was sampled from ...
         first = out.outputs[0].token_ids[0]
         logprob = torch.from_numpy(kept["good"]).double().log_softmax(-1)[first]
-        assert float(logprob) == pytest.approx(out.outputs[0].logprobs[0][first], abs=1e-5)
+        # (the engine's log_softmax runs in fp32 over 49152 logits: ~1e-5 of rounding, more
+        # with 8-lane AVX2 sums than with 16-lane AVX-512 ones)
+        assert float(logprob) == pytest.approx(out.outputs[0].logprobs[0][first], abs=1e-4)
         # ... and the check's error is its distance from transformers' logits, computed here
         # over every position (the validator keeps only the last: fp32 rounding differs, by
         # ~1e-6 with logits up to ~30).

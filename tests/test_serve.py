@@ -101,13 +101,22 @@ def server(serve_cluster):
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     engine_args = {"num_kv_blocks": 256}
+    # Both apps' streams leave the ingress batched (router/streams.py coalesce): streamed
+    # outputs, client disconnects, error events and drains below go through it.
     main = build_openai_app(
-        BuildArgs(max_model_len=MAX_MODEL_LEN, engine_args=engine_args),
+        BuildArgs(
+            max_model_len=MAX_MODEL_LEN, engine_args=engine_args, stream_batching_interval_ms=20
+        ),
         llm_options={"ray_actor_options": {"num_cpus": 1.0}},
         ingress_options={"ray_actor_options": {"num_cpus": 0.25}},
     )
     fake = build_openai_app(
-        BuildArgs(max_model_len=MAX_MODEL_LEN, embedding_model=None, api_key=API_KEY),
+        BuildArgs(
+            max_model_len=MAX_MODEL_LEN,
+            embedding_model=None,
+            api_key=API_KEY,
+            stream_batching_interval_ms=20,
+        ),
         llm_engine_cls=FakeEngine,
         llm_options={
             "max_ongoing_requests": 1,
