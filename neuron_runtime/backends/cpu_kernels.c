@@ -250,6 +250,7 @@ static int64_t grain_for(int64_t tasks, int64_t min_grain) {
 #define ROW_BLOCK 64
 
 typedef float vec16 __attribute__((vector_size(64)));
+typedef float vec8 __attribute__((vector_size(32)));
 
 #if !defined(__AVX512F__) && defined(__AVX__)
 /*
@@ -258,7 +259,6 @@ typedef float vec16 __attribute__((vector_size(64)));
  * vectors. So on AVX/AVX2 the tiles below sum on vec8 (four per panel row, sixteen ymm
  * registers: two rows at a time), lane for lane the same operations in the same order.
  */
-typedef float vec8x __attribute__((vector_size(32)));
 #define TILE8_ROWS 2
 
 static inline __attribute__((always_inline)) void tile8(const float *x, int64_t in,
@@ -266,8 +266,8 @@ static inline __attribute__((always_inline)) void tile8(const float *x, int64_t 
                                                         float *y, int64_t out, int64_t cols,
                                                         int rows, const float *ahead,
                                                         int64_t ahead_every) {
-    vec8x acc[TILE8_ROWS][4];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (vec8x){0};
+    vec8 acc[TILE8_ROWS][4];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (vec8){0};
     int64_t countdown = ahead_every;
     for (int64_t i = 0; i < in; i++) {
         if (ahead != NULL && --countdown == 0) {
@@ -276,11 +276,11 @@ static inline __attribute__((always_inline)) void tile8(const float *x, int64_t 
             countdown = ahead_every;
         }
         const float *w = panel + i * PANEL;
-        const vec8x w0 = *(const vec8x *)w, w1 = *(const vec8x *)(w + 8);
-        const vec8x w2 = *(const vec8x *)(w + 16), w3 = *(const vec8x *)(w + 24);
+        const vec8 w0 = *(const vec8 *)w, w1 = *(const vec8 *)(w + 8);
+        const vec8 w2 = *(const vec8 *)(w + 16), w3 = *(const vec8 *)(w + 24);
         for (int r = 0; r < rows; r++) {
             const float xi = x[r * in + i];
-            const vec8x b = {xi, xi, xi, xi, xi, xi, xi, xi};
+            const vec8 b = {xi, xi, xi, xi, xi, xi, xi, xi};
             acc[r][0] += b * w0;
             acc[r][1] += b * w1;
             acc[r][2] += b * w2;
@@ -468,7 +468,6 @@ typedef float vec16u __attribute__((vector_size(64), aligned(4)));
 #if defined(__AVX512F__)
 #define KEEP(v) __asm__("" : "+v"(v))
 #elif defined(__AVX__)
-typedef float vec8 __attribute__((vector_size(32)));
 #define KEEP(v)                                                                              \
     do {                                                                                     \
         vec8 h_[2];                                                                          \
@@ -839,25 +838,8 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
  * read once for its whole group. A sequence sees its last `window` keys when window > 0;
  * softcap > 0 squashes scores to softcap * tanh(score / softcap) (Gemma).
  */
-/* Vectors that may sit at any float boundary (query rows inside the fused qkv output). */
-typedef float vec16u __attribute__((vector_size(64), aligned(4)));
-
-/* Keeps a dequantized weight vector as computed: -ffast-math would otherwise be free to
- * fold the scale into x (x * d * q), which is not exact. */
-#if defined(__AVX512F__)
-#define KEEP(v) __asm__("" : "+v"(v))
-#elif defined(__AVX__)
-typedef float vec8 __attribute__((vector_size(32)));
-#define KEEP(v)                                                                              \
-    do {                                                                                     \
-        vec8 h_[2];                                                                          \
-        memcpy(h_, &(v), sizeof(h_));                                                        \
-        __asm__("" : "+x"(h_[0]), "+x"(h_[1]));                                              \
-        memcpy(&(v), h_, sizeof(h_));                                                        \
-    } while (0)
-#else
-#define KEEP(v) __asm__("" : "+m"(v))
-#endif
+/* (vec16u, declared above: vectors that may sit at any float boundary, such as query rows
+ * inside the fused qkv output.) */
 
 static inline float lane_sum(vec16 v) {
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
