@@ -252,6 +252,11 @@ static int64_t grain_for(int64_t tasks, int64_t min_grain) {
 typedef float vec16 __attribute__((vector_size(64)));
 typedef float vec8 __attribute__((vector_size(32)));
 
+/* A tile row's PANEL sums (plus bias) into the output's first `cols` columns. */
+static inline __attribute__((always_inline)) void store_row(const float *sums, const float *bias, float *yr, int64_t cols) {
+    for (int64_t j = 0; j < cols; j++) yr[j] = bias != NULL ? sums[j] + bias[j] : sums[j];
+}
+
 #if !defined(__AVX512F__) && defined(__AVX__)
 /*
  * Without AVX-512, GCC lowers 64-byte vector arithmetic piecewise, through the stack (a
@@ -288,9 +293,9 @@ static inline __attribute__((always_inline)) void tile8(const float *x, int64_t 
         }
     }
     for (int r = 0; r < rows; r++) {
-        float sums[PANEL], *yr = y + r * out;
+        float sums[PANEL];
         memcpy(sums, acc[r], sizeof(sums));
-        for (int64_t j = 0; j < cols; j++) yr[j] = bias != NULL ? sums[j] + bias[j] : sums[j];
+        store_row(sums, bias, y + r * out, cols);
     }
 }
 #endif
@@ -307,8 +312,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t i
         tile8(x + r * in, in, panel, bias, y + r * out, out, cols, n, r == 0 ? ahead : NULL,
               ahead_every);
     }
-    return;
-#endif
+#else
     vec16 acc[TILE_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (vec16){0};
     int64_t countdown = ahead_every;
@@ -327,10 +331,11 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t i
         }
     }
     for (int r = 0; r < rows; r++) {
-        float sums[PANEL], *yr = y + r * out;
+        float sums[PANEL];
         memcpy(sums, acc[r], sizeof(sums));
-        for (int64_t j = 0; j < cols; j++) yr[j] = bias != NULL ? sums[j] + bias[j] : sums[j];
+        store_row(sums, bias, y + r * out, cols);
     }
+#endif
 }
 
 struct linear_job {
