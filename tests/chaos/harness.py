@@ -196,11 +196,14 @@ def is_error_body(data: Any) -> bool:
     return isinstance(error, dict) and isinstance(error.get("message"), str) and "type" in error
 
 
-def outcome(base: str, call: Call, deadline_s: float) -> str:
-    """What the client got for ``call`` (one of the four outcomes above)."""
+def outcome(
+    base: str, call: Call, deadline_s: float, streaming: threading.Event | None = None
+) -> str:
+    """What the client got for ``call`` (one of the four outcomes above). ``streaming`` is set
+    when a stream's first event arrives (an engine is working on it)."""
     try:
         if call.body.get("stream"):
-            return _stream_outcome(base, call, deadline_s)
+            return _stream_outcome(base, call, deadline_s, streaming)
         response = httpx.post(base + call.path, json=call.body, timeout=deadline_s)
     except httpx.TimeoutException:
         return HUNG
@@ -215,7 +218,9 @@ def outcome(base: str, call: Call, deadline_s: float) -> str:
     return FAILED_CLEANLY if is_error_body(data) else UNCLEAN
 
 
-def _stream_outcome(base: str, call: Call, deadline_s: float) -> str:
+def _stream_outcome(
+    base: str, call: Call, deadline_s: float, streaming: threading.Event | None
+) -> str:
     events: list[str] = []
     stop = time.monotonic() + deadline_s
     try:
@@ -226,6 +231,8 @@ def _stream_outcome(base: str, call: Call, deadline_s: float) -> str:
             for line in reply.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
+                    if streaming is not None:
+                        streaming.set()
                 if time.monotonic() > stop:
                     return HUNG
     except httpx.TimeoutException:
@@ -350,10 +357,14 @@ def run_case(
     (``report.replacement``); the survivors must be back at their baseline on return."""
     replicas = running_replicas(app_details(app), case.deployment)
     migrated_before = case.migrations(app) if case.migrations else 0
+    streaming = threading.Event()
     with ThreadPoolExecutor(case.concurrency) as pool:
-        futures = [pool.submit(outcome, base, call, case.request_deadline_s) for call in case.calls]
+        futures = [
+            pool.submit(outcome, base, call, case.request_deadline_s, streaming)
+            for call in case.calls
+        ]
         time.sleep(case.kill_after_s)
-        victim, busy = _pick_victim(app, case.deployment, replicas, holds_work)
+        victim, busy = _pick_victim(app, case.deployment, replicas, holds_work, streaming)
         os.kill(victim["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
         report = ChaosReport(case.name, f"{case.deployment} {victim['replica_id']}", busy)
@@ -379,18 +390,32 @@ def _pick_victim(
     deployment: str,
     replicas: list[dict[str, Any]],
     holds_work: Callable[[Any], bool],
+    streaming: threading.Event,
     patience_s: float = 10.0,
 ) -> tuple[dict[str, Any], bool]:
+    """The replica to kill and whether it held work. A ``stats`` call goes to the replica with
+    the shorter queue, so while one replica streams every request of the load, the calls reach
+    only the idle others: once the load streams and every engine replica but one has been seen
+    with nothing running or waiting, that one holds the work (the case's ``migrations`` count
+    then confirms it)."""
     if deployment not in WITH_STATS:
         return replicas[0], True
-    ids = {r["replica_id"] for r in replicas}
+    by_id = {r["replica_id"]: r for r in replicas}
+    seen_idle: set[str] = set()
     handle = serve.get_deployment_handle(deployment, app_name=app)
     deadline = time.monotonic() + patience_s
     while time.monotonic() < deadline:
         stats = handle.stats.remote().result(timeout_s=10)
         replica_id = _stats_replica_id(stats)
-        if replica_id in ids and holds_work(stats):
-            return next(r for r in replicas if r["replica_id"] == replica_id), True
+        if replica_id not in by_id:
+            continue
+        if holds_work(stats):
+            return by_id[replica_id], True
+        if streaming.is_set() and deployment in ENGINE_DEPLOYMENTS:
+            seen_idle.add(replica_id)
+            others = sorted(set(by_id) - seen_idle)
+            if len(others) == 1:
+                return by_id[others[0]], True
     return replicas[0], False
 
 
