@@ -843,16 +843,35 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
  * read once for its whole group. A sequence sees its last `window` keys when window > 0;
  * softcap > 0 squashes scores to softcap * tanh(score / softcap) (Gemma).
  */
-/* (vec16u, declared above: vectors that may sit at any float boundary, such as query rows
- * inside the fused qkv output.) */
+/*
+ * Attention's vectors: AW floats, one register of the CPU (64 bytes with AVX-512, 32 bytes
+ * with AVX/AVX2 only, where GCC lowers 64-byte arithmetic through the stack, see tile8).
+ * attn_vecu: such vectors at any float boundary, as query rows inside the fused qkv output.
+ */
+#if !defined(__AVX512F__) && defined(__AVX__)
+#define AW 8
+typedef vec8 attn_vec;
+typedef float attn_vecu __attribute__((vector_size(32), aligned(4)));
 
-static inline float lane_sum(vec16 v) {
+static inline float lane_sum(attn_vec v) {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    return v[0];
+}
+#else
+#define AW 16
+typedef vec16 attn_vec;
+typedef vec16u attn_vecu;
+
+static inline float lane_sum(attn_vec v) {
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     return v[0];
 }
+#endif
 
 /*
  * Asks for 64-byte lines first .. first + count - 1 (below end) of p into L2. A fetch into L2
@@ -864,11 +883,52 @@ static inline void prefetch_lines(const float *p, int64_t first, int64_t count, 
 }
 
 /*
+ * Query row qg's scores against the n keys at k (rows of d floats): n sums side by side, so
+ * the multiply-adds of different keys overlap instead of each waiting on the one before.
+ */
+#define KEYS_AT_ONCE 4
+
+static inline __attribute__((always_inline)) void key_scores(const float *qg, const float *k,
+                                                             int64_t d, int vecs, int n,
+                                                             float scale, float softcap,
+                                                             float *out) {
+    attn_vec sum[KEYS_AT_ONCE];
+    for (int i = 0; i < n; i++) sum[i] = *(const attn_vecu *)qg * *(const attn_vec *)(k + i * d);
+    for (int v = 1; v < vecs; v++) {
+        const attn_vec q = *(const attn_vecu *)(qg + AW * v);
+        for (int i = 0; i < n; i++) sum[i] += q * *(const attn_vec *)(k + i * d + AW * v);
+    }
+    for (int i = 0; i < n; i++) {
+        float dot = lane_sum(sum[i]) * scale;
+        if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
+        out[i] = dot;
+    }
+}
+
+/*
+ * o[0 .. n vectors) += p[t] * val_t[0 .. n vectors) for t < keys (rows of d floats), in order
+ * of t, the sums held in registers across the keys rather than stored after each.
+ */
+#define VALUE_VECS 4
+
+static inline __attribute__((always_inline)) void add_values(const float *p, const float *val,
+                                                             int64_t keys, int64_t d, int n,
+                                                             float *o) {
+    attn_vec acc[VALUE_VECS];
+    for (int i = 0; i < n; i++) acc[i] = *(const attn_vecu *)(o + AW * i);
+    for (int64_t t = 0; t < keys; t++) {
+        const float pt = p[t];
+        for (int i = 0; i < n; i++) acc[i] += pt * *(const attn_vec *)(val + t * d + AW * i);
+    }
+    for (int i = 0; i < n; i++) *(attn_vecu *)(o + AW * i) = acc[i];
+}
+
+/*
  * One KV head of one sequence: its `group` query heads (qh, contiguous) over keys first..ctx-1,
  * writing [group, d] to out. One pass, block by block through the sequence's table: a block's
  * scores, then its values weighted by them, with the softmax kept online (each head's running
  * max `top` and sum `total`; earlier sums are rescaled when the max grows). Reading a block's
- * keys and values back to back keeps both in flight from memory together. `vecs` is d / 16; the
+ * keys and values back to back keeps both in flight from memory together. `vecs` is d / AW; the
  * callers pass it as a constant so the loops over a row unroll. scores holds group x block_size.
  * The last block fetches the first `after_lines` lines of after_k / after_v, the next head's
  * first block (NULL for none).
@@ -878,10 +938,10 @@ static inline __attribute__((always_inline)) void attend_kv_head(
     int64_t ctx, int64_t block_size, int64_t group, int vecs, float scale, float softcap,
     const float *after_k, const float *after_v, int64_t after_lines, float *scores, float *top,
     float *total, float *out) {
-    const int64_t d = (int64_t)vecs * 16;
+    const int64_t d = (int64_t)vecs * AW;
     for (int64_t g = 0; g < group; g++) {
         total[g] = 0.0f;
-        for (int v = 0; v < vecs; v++) *(vec16u *)(out + g * d + 16 * v) = (vec16){0};
+        for (int v = 0; v < vecs; v++) *(attn_vecu *)(out + g * d + AW * v) = (attn_vec){0};
     }
     for (int64_t j = first; j < ctx;) {
         const int64_t offset = j % block_size;
@@ -889,7 +949,7 @@ static inline __attribute__((always_inline)) void attend_kv_head(
         const int64_t row = (table[j / block_size] * block_size + offset) * d;
         const float *k = kh + row, *val = vh + row;
         /* Blocks lie anywhere in the cache, and the hardware does not stream from one block
-         * into another: each key of this block fetches a share of the next block's lines. */
+         * into another: each key scored here fetches a share of the next block's lines. */
         const float *next_k = after_k, *next_v = after_v;
         int64_t lines = after_lines;
         if (j + keys < ctx) {
@@ -899,17 +959,21 @@ static inline __attribute__((always_inline)) void attend_kv_head(
             lines = block_size * d / 16;
         }
         const int64_t share = (lines + keys - 1) / keys;
-        for (int64_t t = 0; t < keys; t++, k += d) {  /* scores[g][t] = q_g . k_t */
-            if (next_k != NULL) prefetch_lines(next_k, t * share, share, lines);
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = qh + g * d;
-                vec16 sum = *(const vec16u *)qg * *(const vec16 *)k;
-                for (int v = 1; v < vecs; v++)
-                    sum += *(const vec16u *)(qg + 16 * v) * *(const vec16 *)(k + 16 * v);
-                float dot = lane_sum(sum) * scale;
-                if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
-                scores[g * block_size + t] = dot;
+        for (int64_t t = 0; t < keys;) {  /* scores[g][t] = q_g . k_t */
+            const int n = keys - t >= KEYS_AT_ONCE ? KEYS_AT_ONCE : 1;
+            if (next_k != NULL) {
+                prefetch_lines(next_k, t * share, n * share, lines);
+                prefetch_lines(next_v, t * share, n * share, lines);
             }
+            for (int64_t g = 0; g < group; g++) {
+                float *out_scores = scores + g * block_size + t;
+                if (n == KEYS_AT_ONCE)
+                    key_scores(qh + g * d, k, d, vecs, KEYS_AT_ONCE, scale, softcap, out_scores);
+                else
+                    key_scores(qh + g * d, k, d, vecs, 1, scale, softcap, out_scores);
+            }
+            t += n;
+            k += n * d;
         }
         for (int64_t g = 0; g < group; g++) {  /* scores -> exp(score - running max) */
             float *sc = scores + g * block_size;
@@ -923,25 +987,24 @@ static inline __attribute__((always_inline)) void attend_kv_head(
             if (j != first && m > top[g]) {
                 const float shrink = expf(top[g] - m);
                 total[g] *= shrink;
-                for (int v = 0; v < vecs; v++) *(vec16u *)(out + g * d + 16 * v) *= shrink;
+                for (int v = 0; v < vecs; v++) *(attn_vecu *)(out + g * d + AW * v) *= shrink;
             }
             total[g] += sum;
             top[g] = m;
         }
-        for (int64_t t = 0; t < keys; t++, val += d) {  /* out[g] += p[g][t] v_t */
-            if (next_k != NULL) prefetch_lines(next_v, t * share, share, lines);
-            for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * block_size + t];
-                float *o = out + g * d;
-                for (int v = 0; v < vecs; v++)
-                    *(vec16u *)(o + 16 * v) += p * *(const vec16 *)(val + 16 * v);
-            }
+        for (int64_t g = 0; g < group; g++) {  /* out[g] += p[g][t] v_t */
+            const float *p = scores + g * block_size;
+            float *o = out + g * d;
+            int v = 0;
+            for (; v + VALUE_VECS <= vecs; v += VALUE_VECS)
+                add_values(p, val + AW * v, keys, d, VALUE_VECS, o + AW * v);
+            for (; v < vecs; v++) add_values(p, val + AW * v, keys, d, 1, o + AW * v);
         }
         j += keys;
     }
     for (int64_t g = 0; g < group; g++) {
         const float inv = 1.0f / total[g];
-        for (int v = 0; v < vecs; v++) *(vec16u *)(out + g * d + 16 * v) *= inv;
+        for (int v = 0; v < vecs; v++) *(attn_vecu *)(out + g * d + AW * v) *= inv;
     }
 }
 
@@ -1029,13 +1092,15 @@ static void attention_pairs(const void *ctx, int64_t begin, int64_t end) {
         /* Head sizes of whole vectors take the vector kernel, the common ones with a
          * constant size; cache rows are then 64-byte aligned. */
         if (d == 64)
-            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, 4, j->scale,
-                           j->softcap, after_k, after_v, after_lines, scores, top, total, o);
+            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, 64 / AW,
+                           j->scale, j->softcap, after_k, after_v, after_lines, scores, top,
+                           total, o);
         else if (d == 128)
-            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, 8, j->scale,
-                           j->softcap, after_k, after_v, after_lines, scores, top, total, o);
+            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, 128 / AW,
+                           j->scale, j->softcap, after_k, after_v, after_lines, scores, top,
+                           total, o);
         else if (d % 16 == 0)
-            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, (int)(d / 16),
+            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, (int)(d / AW),
                            j->scale, j->softcap, after_k, after_v, after_lines, scores, top,
                            total, o);
         else
