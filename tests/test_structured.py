@@ -389,3 +389,27 @@ def test_failed_slow_and_unsatisfiable_grammars_end_only_their_request(llm, monk
     assert "no token the grammar allows" in errors[2]
     assert all(o.outputs[0].finish_reason == "error" for o in outs[1:])
     assert_idle(llm)
+
+
+def test_an_unconstrained_engine_never_imports_the_grammar_engines_torch_part(
+    default_model_path,
+):
+    """``llguidance.torch`` takes seconds to import (torch's compiler stack): an engine whose
+    requests carry no constraint must not pay it in its first step. A fresh interpreter, so
+    other tests' imports do not count."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from neuron_runtime import LLM, SamplingParams\n"
+        f"llm = LLM(model={str(default_model_path)!r}, max_model_len=128, num_kv_blocks=16)\n"
+        "out = llm.generate(['Hello'], SamplingParams(temperature=0, max_tokens=3))\n"
+        "assert len(out[0].outputs[0].token_ids) == 3\n"
+        "print(sorted(m for m in sys.modules if m.startswith('llguidance')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    imported = done.stdout.strip().splitlines()[-1]
+    assert "llguidance.torch" not in imported, imported

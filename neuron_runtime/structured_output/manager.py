@@ -112,12 +112,12 @@ class StructuredOutputManager:
         [k + 1, ceil(V / 32)] int32 whose row i allows what may follow the output plus the
         first i drafts. Computed now on the calling thread; each matcher advances through its
         draft and rolls back, so it ends where it began."""
-        import llguidance
-        import llguidance.torch
-
         constrained = [(r, d) for r, d in drafts.items() if r in self.states]
         if not constrained:
             return {}
+        import llguidance  # here: llguidance.torch's first import takes seconds (torch's
+        import llguidance.torch  # compiler stack), which unconstrained engines never pay
+
         self._wait_for_fill()
         if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=1)
@@ -153,12 +153,12 @@ class StructuredOutputManager:
         that sample this step): a row each of one [R, ceil(V / 32)] int32 batch, which the
         fill thread fills while this returns at once (``BitmaskRow.get`` waits for it), or,
         without ``fill_ahead``, which each row's first ``get`` fills."""
-        import llguidance
-        import llguidance.torch
-
         constrained = [r for r in req_ids if r in self.states]
         if not constrained:
             return {}
+        import llguidance  # after the check, as in draft_bitmasks
+        import llguidance.torch
+
         self._wait_for_fill()
         bitmask = llguidance.torch.allocate_token_bitmask(
             len(constrained), self.compiler.vocab_size
