@@ -67,6 +67,10 @@ class DisaggregationArgs(BaseModel):
     # holds a handed-off prompt's blocks until they are read, kv_hold_timeout_s at most.
     kv_transport: TransportName = "nixl"
     kv_nixl_backend: str = Field("UCX", min_length=1)
+    # A NIXL read overlapped layer by layer with the request's first decode step (true), or
+    # waited for whole before it (false). Unset: overlapped where the adapter moves the bytes
+    # (LIBFABRIC, EFA), whole over UCX, whose copies take a core the step would compute on.
+    kv_read_layer_wise: bool | None = None
     kv_hold_timeout_s: float = Field(30.0, gt=0)
 
     # A decode replica waits this long for a prefilled request's KV, then applies the policy:
@@ -481,7 +485,9 @@ def _disaggregated(
     """PDRouter -> PrefillServer (prefix-affinity routed) and DecodeServer (KV-capacity
     routed), and VisionEncoder replicas (rendezvous routed) for a model with a vision tower."""
     pd = args.disaggregation
-    transport = KVTransportConfig(pd.kv_transport, pd.kv_hold_timeout_s, pd.kv_nixl_backend)
+    transport = KVTransportConfig(
+        pd.kv_transport, pd.kv_hold_timeout_s, pd.kv_nixl_backend, pd.kv_read_layer_wise
+    )
     if pd.prefill_routing == "prefix_affinity":
         prefill_router = _router_config(
             request_router_class="router.request_routers:PrefixAffinityRouter",

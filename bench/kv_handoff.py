@@ -51,9 +51,10 @@ MODEL = "smollm2-135m-instruct"
 # first step (no layer-wise overlap), for comparison.
 SECOND = ("nixl", "nixl-whole", "object_store")
 APPS = {
-    "colocated": ("colocated", "object_store"),
-    "pd-object_store": ("disaggregated", "object_store"),
-    "pd-nixl": ("disaggregated", "nixl"),
+    "colocated": ("colocated", "object_store", None),
+    "pd-object_store": ("disaggregated", "object_store", None),
+    "pd-nixl": ("disaggregated", "nixl", None),  # over UCX: whole reads (the default)
+    "pd-nixl-layer-wise": ("disaggregated", "nixl", True),
 }
 
 
@@ -141,8 +142,8 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
             start = time.perf_counter()
             kv = await self.transports[transport].receive(handoff, 30.0)
             received = time.perf_counter()
-            if isinstance(kv, KVBlockSource) and not overlap:
-                kv.layer_wise = False
+            if isinstance(kv, KVBlockSource):
+                kv.layer_wise = overlap
             params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
             self.engine.add_request(
                 "d",
@@ -175,7 +176,9 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
 
         def inline_read(self, kv, blocks: list[int]) -> float:  # noqa: ANN001
             """The transport's ceiling: the same blocks in one READ over every layer, posted
-            and waited for on this thread (no notification: the layer-wise read follows)."""
+            and waited for on this thread, after the layer-wise read (whose notification may
+            have let the prefill side free them: they stay registered and hold the same bytes
+            while nothing else runs there)."""
             from deployments.nixl_transport import layer_cells
 
             transport = self.transports["nixl"]
@@ -210,7 +213,6 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
                 engine.runner.import_kv(blocks, kv)
                 out["import_s"] = time.perf_counter() - before
             else:
-                out["inline_s"] = self.inline_read(kv, blocks)
                 kv.start(blocks)
                 # Waited for as the engine's forward waits for a layer: on the read's
                 # progress, woken when the reader thread counts the last layer in.
@@ -224,6 +226,9 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
                 out["queue_s"] = kv.picked_at - kv.started_at
                 out["post_s"] = kv.post_s
                 out["import_s"] = 0.0
+                # After the timed read, as a second read of the same blocks (both sides'
+                # pages are then as warm as the memcpy reference's).
+                out["inline_s"] = self.inline_read(kv, blocks)
             engine.kv.pool.free(blocks)
             # The reference: one contiguous copy of as many bytes, in this process.
             src = torch.ones(handoff.num_kv_bytes // 4)
@@ -361,13 +366,15 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
     small = {"ray_actor_options": {"num_cpus": 0.1}}
     engine_args = {"num_kv_blocks": -(-max(lengths) // 16) * 2 + 16, "enable_prefix_caching": False}
     urls = {}
-    for name, (mode, transport) in APPS.items():
+    for name, (mode, transport, layer_wise) in APPS.items():
         build = BuildArgs(
             mode=mode,
             max_model_len=max(lengths) + args.output_len + 16,
             embedding_model=None,
             engine_args=engine_args,
-            disaggregation=DisaggregationArgs(kv_transport=transport),
+            disaggregation=DisaggregationArgs(
+                kv_transport=transport, kv_read_layer_wise=layer_wise
+            ),
         )
         app = build_openai_app(
             build,

@@ -45,11 +45,14 @@ class KVTransportConfig:
     ``hold_timeout_s``: the longest a prefill replica holds a handed-off prompt's blocks for a
     decode replica to read (nixl); a read that has not finished by then is abandoned.
     ``nixl_backend``: the NIXL backend plugin (UCX here; LIBFABRIC for EFA on Trainium).
+    ``nixl_layer_wise``: block reads overlapped with the request's first step layer by layer
+    (True) or waited for whole (False); None: by backend (deployments/nixl_transport.py).
     """
 
     name: TransportName = "nixl"
     hold_timeout_s: float = 30.0
     nixl_backend: str = "UCX"
+    nixl_layer_wise: bool | None = None
 
     def __post_init__(self) -> None:
         if self.name not in ("nixl", "object_store"):
@@ -123,5 +126,7 @@ def make_transport(config: KVTransportConfig) -> KVTransport:
     if config.name == "nixl":
         from deployments.nixl_transport import NixlTransport
 
-        return NixlTransport(config.nixl_backend, config.hold_timeout_s)
+        return NixlTransport(
+            config.nixl_backend, config.hold_timeout_s, layer_wise=config.nixl_layer_wise
+        )
     return ObjectStoreTransport()

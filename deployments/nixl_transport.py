@@ -17,9 +17,10 @@ replica loads a prefill agent the first time one of its tickets arrives. No sock
                                                        start(): the reader thread posts one
                                                        READ per layer, in layer order, by
                                                        index into the prepared lists
-                                                      the request runs at once: the forward
-                                                       waits for layer i's READ before layer
-                                                       i's attention (wait_layer)
+                                                      layer-wise: the request runs at once,
+                                                       the forward waiting for layer i's READ
+                                                       before layer i's attention (wait_layer);
+                                                       whole: it runs once every READ is done
     notification "handoff id"  <-------------------   (sent once every layer's READ is done)
     release: engine frees the blocks                   poll() -> done
 
@@ -34,7 +35,10 @@ that posts it, on the posting thread: so a replica's reads are posted by its rea
 and the copy of the later layers runs on another core while the engine computes the first
 ones. Where a core and memory bandwidth are free the first decode step then costs about a
 colocated one plus the first layer's copy; on a busy two-core host the copy and the step
-slow each other down (README: the handoff figures). The engine's thread never copies.
+slow each other down (README: the handoff figures), and waiting for the whole read before the
+request's first step is faster. So reads are layer-wise by default where the fabric moves the
+bytes (LIBFABRIC: EFA's RDMA) and whole over UCX, whose copies here take a core
+(``layer_wise`` overrides either way). The engine's thread never copies.
 
 The prefill replica frees the blocks on that notification or ``hold_timeout_s`` after the
 export, whichever comes first; the decode side gives up a read that has not completed a
@@ -87,6 +91,9 @@ EXPIRY_MARGIN_S = 1.0
 NOTIFY_POLL_S = 0.001
 # How often the reader thread checks READs that did not complete in the call that posted them.
 READ_POLL_S = 0.0002
+# Backends whose reads the network adapter performs (no core of either host copies): block
+# reads overlap the request's first step by default there.
+FABRIC_BACKENDS = ("LIBFABRIC",)
 # The longest a forward waits for a read's layers (all its waits together): a read slower
 # than this leaves that step without the request, which then waits outside the batch.
 JOIN_WAIT_S = 0.25
@@ -165,11 +172,15 @@ class NixlTransport(KVTransport):
         backend: str = "UCX",
         hold_timeout_s: float = 30.0,
         publish: Callable[[NixlAgentInfo], Any] | None = None,
+        layer_wise: bool | None = None,
     ) -> None:
         """``publish``: makes this agent's info reachable by peers and returns the awaitable
-        reference that tickets carry (default ``ray.put``)."""
+        reference that tickets carry (default ``ray.put``). ``layer_wise``: whether this
+        replica's block reads overlap the request's first step layer by layer (None: by
+        backend, see the module's docstring)."""
         self.backend = backend
         self.hold_timeout_s = hold_timeout_s
+        self.layer_wise = backend in FABRIC_BACKENDS if layer_wise is None else layer_wise
         self.publish = publish
         self.agent: Any = None
         self.info_ref: Any = None
@@ -442,8 +453,6 @@ class NixlBlockRead(KVBlockSource):
     until ``abandon`` if it never started.
     """
 
-    layer_wise = True
-
     def __init__(
         self,
         transport: NixlTransport,
@@ -460,6 +469,7 @@ class NixlBlockRead(KVBlockSource):
         self.layout = handoff.layout
         self.deadline = deadline
         self.recompute_on_failure = recompute_on_failure
+        self.layer_wise = transport.layer_wise
         self.block_ids: list[int] = []
         self.started_at: float | None = None
         self.picked_at: float | None = None

@@ -6,7 +6,8 @@ Applications on the shared cluster (conftest.serve_cluster):
 - ``colo`` (/colo): the same model colocated (one LLMServer), the baseline;
 - ``pdfault`` (/pdfault): a tiny random-weight Llama over NIXL, prefill replicas whose engine
   exits the process on a marked request (once), for the failure cases; a short hold timeout,
-  so blocks nobody reads are freed within the test;
+  so blocks nobody reads are freed within the test; reads layer-wise (``pd``'s are whole, the
+  default over UCX);
 - ``pdobj`` (/pdobj): the tiny Llama, the KV through Ray's object store.
 References: the offline ``LLM`` on the same weights, and the colocated app. The KV fetch policy
 is checked for both transports on a DecodeServer outside Serve. After each test every engine
@@ -366,7 +367,7 @@ def fault_server(serve_cluster, tiny_llama_path, tmp_path_factory):
         }
     }
     app = build_openai_app(
-        tiny_pd_args(tiny_llama_path, kv_hold_timeout_s=3),
+        tiny_pd_args(tiny_llama_path, kv_hold_timeout_s=3, kv_read_layer_wise=True),
         llm_engine_cls=DieOnceEngine,
         prefill_options={"num_replicas": 2, **env},
         decode_options={**small, "health_check_period_s": 1, "health_check_timeout_s": 5},

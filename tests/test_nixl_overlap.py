@@ -36,7 +36,7 @@ def pair(tiny_llama_path):
     # once), and then the hold's timeout frees the blocks.
     sender = NixlTransport(hold_timeout_s=2.0, publish=Published)
     sender.attach(prefill, prefill.release_kv)
-    receiver = NixlTransport(publish=Published)
+    receiver = NixlTransport(publish=Published, layer_wise=True)
     receiver.attach(decode, decode.abort_request)
     yield prefill, sender, decode, receiver
     sender.close()
