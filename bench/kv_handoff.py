@@ -176,9 +176,7 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
 
         def inline_read(self, kv, blocks: list[int]) -> float:  # noqa: ANN001
             """The transport's ceiling: the same blocks in one READ over every layer, posted
-            and waited for on this thread, after the layer-wise read (whose notification may
-            have let the prefill side free them: they stay registered and hold the same bytes
-            while nothing else runs there)."""
+            and waited for on this thread (no notification: the engine's read follows)."""
             from deployments.nixl_transport import layer_cells
 
             transport = self.transports["nixl"]
@@ -213,6 +211,10 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
                 engine.runner.import_kv(blocks, kv)
                 out["import_s"] = time.perf_counter() - before
             else:
+                # Before the engine's read (whose notification lets the prefill side free
+                # the blocks), and not counted in the transfer: both sides' pages are then
+                # as warm for the read as the memcpy reference's.
+                out["inline_s"] = self.inline_read(kv, blocks)
                 kv.start(blocks)
                 # Waited for as the engine's forward waits for a layer: on the read's
                 # progress, woken when the reader thread counts the last layer in.
@@ -220,15 +222,12 @@ def make_side(num_blocks: int | None, max_model_len: int, threads: int):  # noqa
                 while not kv.poll():
                     if not kv.wait_layer(last):
                         time.sleep(0.0002)
-                out["transfer_s"] = kv.done_at - start
                 out["read_s"] = kv.done_at - kv.started_at
                 out["receive_s"] = received - start
+                out["transfer_s"] = out["receive_s"] + out["read_s"]
                 out["queue_s"] = kv.picked_at - kv.started_at
                 out["post_s"] = kv.post_s
                 out["import_s"] = 0.0
-                # After the timed read, as a second read of the same blocks (both sides'
-                # pages are then as warm as the memcpy reference's).
-                out["inline_s"] = self.inline_read(kv, blocks)
             engine.kv.pool.free(blocks)
             # The reference: one contiguous copy of as many bytes, in this process.
             src = torch.ones(handoff.num_kv_bytes // 4)
