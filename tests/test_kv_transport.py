@@ -426,6 +426,22 @@ def test_config_names_the_transport():
         KVTransportConfig(hold_timeout_s=0)
 
 
+@pytest.mark.parametrize(
+    "backend,setting,layer_wise",
+    [
+        ("UCX", None, False),
+        ("LIBFABRIC", None, True),
+        ("UCX", True, True),
+        ("LIBFABRIC", False, False),
+    ],
+)
+def test_reads_are_layer_wise_where_the_adapter_copies_unless_set(backend, setting, layer_wise):
+    """Unset, block reads overlap the first step only where no core copies (EFA's RDMA)."""
+    config = KVTransportConfig(nixl_backend=backend, nixl_layer_wise=setting)
+    transport = make_transport(config)
+    assert isinstance(transport, NixlTransport) and transport.layer_wise is layer_wise
+
+
 def test_an_unavailable_backend_is_refused_at_attach(tiny_llama_path):
     with pytest.raises(ValueError, match="NIXL backend 'NO_SUCH'"):
         NixlTransport("NO_SUCH", publish=Published).attach(engine(tiny_llama_path), print)

@@ -115,8 +115,10 @@ class StructuredOutputManager:
         constrained = [(r, d) for r, d in drafts.items() if r in self.states]
         if not constrained:
             return {}
-        import llguidance  # here: llguidance.torch's first import takes seconds (torch's
-        import llguidance.torch  # compiler stack), which unconstrained engines never pay
+        # Imported only now: llguidance.torch's first import takes seconds (torch's compiler
+        # stack), which an engine without constrained requests never pays.
+        import llguidance
+        import llguidance.torch
 
         self._wait_for_fill()
         if self._executor is None:
@@ -156,7 +158,7 @@ class StructuredOutputManager:
         constrained = [r for r in req_ids if r in self.states]
         if not constrained:
             return {}
-        import llguidance  # after the check, as in draft_bitmasks
+        import llguidance  # only now, as in draft_bitmasks
         import llguidance.torch
 
         self._wait_for_fill()
