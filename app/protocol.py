@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from neuron_runtime.sampling_params import MAX_LOGPROBS
+from neuron_runtime.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 
 class OpenAIModel(BaseModel):
@@ -96,7 +96,7 @@ class SamplingFields(OpenAIModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

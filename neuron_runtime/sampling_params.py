@@ -11,6 +11,9 @@ from neuron_runtime.structured_output.params import StructuredOutputsParams
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence/frequency penalties live in [-2, 2], as in OpenAI's API
 MAX_LOGIT_BIAS = 100.0
+# A seed is a signed 64-bit integer (what torch's generators take; the n > 1 samples' seeds
+# seed + 1 .. seed + n - 1 stay within the unsigned 64-bit range they also accept).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -63,8 +66,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        # -1 is vLLM's spelling of "no top-k"; keep one internal meaning (0 = off).
-        if self.top_k == -1:
+        # -1 is vLLM's spelling of "no top-k"; keep one internal meaning (0 = off). A top-k past
+        # any vocabulary keeps every token, which is off too (and would overflow int64 tensors).
+        if self.top_k == -1 or (isinstance(self.top_k, int) and self.top_k >= 2**31):
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
@@ -93,8 +97,12 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if self.logprobs is not None and (

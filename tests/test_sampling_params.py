@@ -34,6 +34,8 @@ from neuron_runtime.sampling_params import SamplingParams
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"seed": "7"}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_invalid_values_raise_naming_the_field(changes, field):
@@ -55,6 +57,8 @@ def test_invalid_values_raise_naming_the_field(changes, field):
         {"max_tokens": None, "min_tokens": 100},
         {"max_tokens": 1, "min_tokens": 1},
         {"stop": ["\n"], "stop_token_ids": [0, 5]},
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
     ],
 )
 def test_boundary_values_are_accepted(changes):
@@ -94,3 +98,9 @@ def test_replace_validates():
     assert params.max_tokens == 8
     with pytest.raises(ValueError, match="top_p"):
         params.replace(top_p=2.0)
+
+
+def test_a_top_k_past_any_vocabulary_is_off():
+    """It keeps every token, as 0 does, and must not reach int64 tensors as is."""
+    assert SamplingParams(top_k=10**30).top_k == 0
+    assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1
