@@ -401,6 +401,8 @@ def _chat_body(**overrides):
         ({"allowed_token_ids": [99999999]}, "allowed_token_ids"),
         ({"allowed_token_ids": list(range(5000))}, "allowed_token_ids"),
         ({"bad_words": [" "]}, "bad_words"),
+        ({"seed": 2**64, "temperature": 1.0}, "seed"),
+        ({"seed": -(2**63) - 1, "temperature": 1.0}, "seed"),
     ],
 )
 def test_invalid_chat_parameter_is_400_naming_it(server, overrides, param):
