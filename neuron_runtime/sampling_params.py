@@ -14,6 +14,9 @@ MAX_LOGIT_BIAS = 100.0
 # A seed is a signed 64-bit integer (what torch's generators take; the n > 1 samples' seeds
 # seed + 1 .. seed + n - 1 stay within the unsigned 64-bit range they also accept).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# A top-k from here on keeps every token of any vocabulary: it means off (0), as it would
+# otherwise overflow the int64 tensors the sampler builds.
+TOP_K_ALL = 2**31
 
 
 @dataclass
@@ -66,9 +69,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        # -1 is vLLM's spelling of "no top-k"; keep one internal meaning (0 = off). A top-k past
-        # any vocabulary keeps every token, which is off too (and would overflow int64 tensors).
-        if self.top_k == -1 or (isinstance(self.top_k, int) and self.top_k >= 2**31):
+        # -1 is vLLM's spelling of "no top-k"; keep one internal meaning (0 = off).
+        if self.top_k == -1 or (isinstance(self.top_k, int) and self.top_k >= TOP_K_ALL):
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
