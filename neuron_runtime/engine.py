@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 import uuid
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from neuron_runtime.accuracy.online import OnlineValidator
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
 
@@ -242,7 +245,7 @@ class LLMEngine:
             self.runner.kv_arriving(reads) if reads else contextlib.nullcontext(set())
         )
         with arrivals as missed:
-            result = self.runner.execute(runnable) if runnable.seqs else ModelRunnerOutput()
+            result = self._execute(runnable) if runnable.seqs else ModelRunnerOutput()
         late = self._join_reads(seeds, missed, result, failed)
         if late:
             runnable = dataclasses.replace(
@@ -276,6 +279,48 @@ class LLMEngine:
                 for completion in output.outputs:
                     completion.finish_reason = completion.stop_reason = None
         return outputs
+
+    def _execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        """The runner's step; when it raises, the requests that caused it fail alone.
+
+        Each slice then runs by itself, so only the requests whose own slice raises end with
+        the error and the rest of the batch goes on. Re-running a slice writes the same KV
+        into its own slots again; a seeded generator is wound back to its request's tokens
+        (the failed step may have drawn from it). A tensor-parallel step is not re-run: its
+        ranks may be inside different collectives.
+        """
+        try:
+            return self.runner.execute(scheduled)
+        except Exception as exc:  # noqa: BLE001 - one request's failure is not the batch's
+            if self.config.parallel.tensor_parallel_size > 1:
+                raise  # the other ranks may wait in a collective of the failed step
+            if len(scheduled.seqs) == 1:
+                return ModelRunnerOutput(failed={scheduled.seqs[0].req_id: _step_error(exc)})
+            n = len(scheduled.seqs)
+            logger.warning("a step of %d slices failed (%r): running each alone", n, exc)
+        result = ModelRunnerOutput()
+        for seq in scheduled.seqs:
+            self._rewind_generator(seq.req_id)
+            try:
+                part = self.runner.execute(dataclasses.replace(scheduled, seqs=[seq]))
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("request %s failed its step: %r", seq.req_id, exc)
+                result.failed[seq.req_id] = _step_error(exc)
+                continue
+            result.merge(part)
+        return result
+
+    def _rewind_generator(self, req_id: str) -> None:
+        """A seeded request's generator as it was before this step's draws."""
+        request = self.scheduler.requests.get(req_id)
+        if request is None or self.runner.generator_state(req_id) is None:
+            return
+        seed = request.params.seed
+        assert seed is not None  # the runner keeps generators of seeded requests only
+        device = self.runner.generator_device
+        vocab = self.config.model.vocab_size
+        drawn = skip_draws(seed, len(request.output_token_ids), vocab, device)
+        self.runner.restore_generator(req_id, seed, drawn.get_state().numpy())
 
     def _validate_online(self, prompt_logits: dict[str, np.ndarray]) -> None:
         """Hands sampled requests' first-token logits to the online validator's queue."""
@@ -531,3 +576,7 @@ class LLMEngine:
                 f"exceeds max_model_len ({limit})"
             )
         return params
+
+
+def _step_error(exc: Exception) -> str:
+    return f"the engine step failed for this request: {exc!r}"

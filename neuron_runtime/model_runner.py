@@ -7,6 +7,7 @@ to buckets in one place.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Iterator
@@ -57,6 +58,11 @@ class ModelRunnerOutput:
     # req_id -> the raw logits [vocab] float32 its first token was sampled from, for the
     # requests in ``ModelRunner.prompt_logit_taps`` (online validation, accuracy/online.py)
     prompt_logits: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def merge(self, other: ModelRunnerOutput) -> None:
+        """Adds another step's results over other requests."""
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).update(getattr(other, f.name))
 
 
 CPU = torch.device("cpu")

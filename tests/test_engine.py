@@ -527,3 +527,40 @@ def test_length_limits_are_inclusive(tiny_llm):
     assert len(last.outputs[0].token_ids) == 1
     fill = tiny_llm.generate({"prompt_token_ids": ids[:100]}, greedy(28))[0]
     assert len(fill.outputs[0].token_ids) == 28 and fill.outputs[0].finish_reason == "length"
+
+
+# -- one request's failing step -------------------------------------------------------------
+
+
+def test_a_request_that_fails_its_step_fails_alone(tiny_llm, monkeypatch):
+    """A fault in one request's slice, raised after the batch's sampling drew from every
+    seeded generator, ends that request with an error; the rest of the batch goes on with the
+    tokens a run without it gives (seeded ones included) and the engine ends idle."""
+    prompts = TINY_PROMPTS[:4]
+    params = [greedy(16), seeded(3, max_tokens=16), seeded(5, max_tokens=16), greedy(16)]
+    reference = tiny_llm.generate(prompts, params)
+    bad_seed = 99  # marks the request whose slices raise
+    runner = tiny_llm.engine.runner
+    outputs_of_step = runner.outputs
+    seen = {"bad_slices": 0, "batch_sizes": []}
+
+    def outputs(step, *args):
+        if any(s.params.seed == bad_seed for s in step.sample_seqs):
+            seen["bad_slices"] += 1
+            if seen["bad_slices"] >= 3:  # its prompt's step and one decode step pass
+                seen["batch_sizes"].append(len(step.sample_seqs))
+                raise RuntimeError("injected fault")
+        return outputs_of_step(step, *args)
+
+    monkeypatch.setattr(runner, "outputs", outputs)
+    got = tiny_llm.generate(prompts + [TINY_PROMPTS[4]], params + [seeded(bad_seed, max_tokens=16)])
+    # The batch's step failed, then the bad slice alone.
+    assert seen["batch_sizes"] == [5, 1]
+    bad = got[-1]
+    assert bad.finished and bad.outputs[0].finish_reason == "error"
+    assert "injected fault" in (bad.error or "")
+    assert len(bad.outputs[0].token_ids) == 2
+    for out, ref in zip(got[:-1], reference, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+    assert_idle(tiny_llm)
