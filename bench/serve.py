@@ -13,8 +13,10 @@ seconds), so an idle core shows.
 Arrivals are Poisson at ``--request-rate`` (requests/s) or, with rate inf, as fast as each
 ``--concurrency`` allows (a comma list: every app is loaded at each). Prompts are random token
 ids of ``--input-len``, greedy, ignore_eos, ``--output-len`` tokens, so every path does
-identical work. The defaults are the load of the served-throughput issue: 32 requests at
-concurrency 16 and 8 at concurrency 1, 40-token prompts, 64 output tokens.
+identical work: a fresh set for the warm-up and for each round at each concurrency, never
+seen before by the engine that serves them (no prefix-cache hits). The defaults are the
+load of the served-throughput issue: 32 requests at concurrency 16 and 8 at concurrency 1,
+40-token prompts, 64 output tokens.
 
 With ``--start-server`` one local cluster runs the apps of ``--configs``, each deployed with
 the CPUs, threads and limits of its shipped file (serve_config.yaml for the disaggregated
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -55,8 +58,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import psutil
@@ -97,6 +102,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    sent: float = 0.0  # time.perf_counter() when it was sent
 
     @property
     def tpot(self) -> float | None:
@@ -116,7 +122,7 @@ async def http_request(client, url: str, model: str, prompt: list[int], output_l
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, sent=start)
     last = None
     try:
         async with client.stream("POST", url, json=body) as response:
@@ -152,7 +158,7 @@ async def direct_request(engine, prompt: list[int], output_len: int):  # noqa: A
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, sent=start)
     last = None
     async for out in engine.generate({"prompt_token_ids": prompt}, params):
         now = time.perf_counter()
@@ -224,6 +230,11 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
         "tpot": pcts([t for r in ok if (t := r.tpot) is not None]),
         "itl": pcts([x for r in ok for x in r.itl]),
         "e2el": pcts([r.e2el for r in ok]),
+        # Each completed request: when it was sent (s from the first), its TTFT and E2EL (s).
+        "requests": [
+            [r.sent - min(x.sent for x in ok), r.ttft, r.e2el]
+            for r in sorted(ok, key=lambda r: r.sent)
+        ],
     }
 
 
@@ -402,16 +413,30 @@ def _title(proc: psutil.Process) -> str:
     return proc.name()
 
 
-def cpu_seconds(processes: list[psutil.Process]) -> dict[str, float]:
-    """CPU seconds so far of each process, by title (several of one title add up)."""
-    by_title: dict[str, float] = {}
+def cpu_seconds(processes: list[psutil.Process]) -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of each process: pid -> (title, seconds)."""
+    by_pid: dict[int, tuple[str, float]] = {}
     for proc in processes:
         try:
             title, times = _title(proc), proc.cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-        by_title[title] = by_title.get(title, 0.0) + times.user + times.system
-    return by_title
+        by_pid[proc.pid] = (title, times.user + times.system)
+    return by_pid
+
+
+def cpu_used(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> dict[str, float]:
+    """CPU seconds each process used between two ``cpu_seconds``, by title without the
+    method a Ray worker names while it runs one (ray::ServeController.listen_for_change is
+    ray::ServeController); several processes of one title add up. Keyed by pid: a title
+    taken at one end only would count the process's whole life."""
+    used: dict[str, float] = {}
+    for pid, (title, seconds) in after.items():
+        name = re.sub(r"\.\w+$", "", title) if title.startswith("ray::") else title
+        used[name] = used.get(name, 0.0) + seconds - before.get(pid, (title, 0.0))[1]
+    return used
 
 
 def cluster_processes() -> list[psutil.Process]:
@@ -453,16 +478,20 @@ def profile_summary(path: Path, seconds: float, top: int = 8) -> list[str]:
     leaves: dict[str, int] = {}
     total = 0
     for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
+        stack, _, samples = line.rpartition(" ")
         if not stack:
             continue
         leaf = stack.rsplit(";", 1)[-1]
-        leaves[leaf] = leaves.get(leaf, 0) + int(count)
-        total += int(count)
+        leaves[leaf] = leaves.get(leaf, 0) + int(samples)
+        total += int(samples)
     lines = [f"{path.stem}: {total} samples, {total / (100 * seconds):.2f} busy"]
     for leaf, count in sorted(leaves.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"    {100 * count / max(total, 1):5.1f}%  {leaf[:110]}")
     return lines
+
+
+def _percentile(metric: str, p: str, summary: dict) -> Any:
+    return summary[metric][p]
 
 
 def print_table(rows: dict[str, dict], concurrency: int) -> None:
@@ -471,7 +500,7 @@ def print_table(rows: dict[str, dict], concurrency: int) -> None:
         return
     print(f"\nconcurrency {concurrency}")
     print(f"{'metric':<22}" + "".join(f"{rows[n]['app']:>20}" for n in names))
-    lines = [
+    lines: list[tuple[str, Callable[[dict], Any]]] = [
         ("completed", lambda s: s["completed"]),
         ("failed", lambda s: s["failed"]),
         ("output tok/s", lambda s: s["output_token_throughput"]),
@@ -480,7 +509,7 @@ def print_table(rows: dict[str, dict], concurrency: int) -> None:
     ]
     for metric in ("ttft", "tpot", "itl", "e2el"):
         for p in ("p50_ms", "p99_ms"):
-            lines.append((f"{metric.upper()} {p}", lambda s, m=metric, p=p: s[m][p]))
+            lines.append((f"{metric.upper()} {p}", functools.partial(_percentile, metric, p)))
     lines.append(("cores (CPU s / wall s)", lambda s: s.get("cores")))
     for label, get in lines:
         cells = []
@@ -580,12 +609,7 @@ def main() -> None:
         served = args.configs.split(",") if args.start_server else ["disaggregated-nixl"]
         args.threads = max(engine_threads(name) for name in served)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    rng = random.Random(args.seed)
-    # Ids from the ordinary vocabulary (no special tokens), one fixed set for every path.
-    prompts = [
-        [rng.randrange(1000, 40000) for _ in range(args.input_len)]
-        for _ in range(args.num_requests)
-    ]
+    prompts = PromptSets(args, max(concurrencies))
     slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
     loads = [os.getloadavg()[0]]
     rows: dict[str, dict] = {}
@@ -625,9 +649,7 @@ def main() -> None:
     if not args.no_offline:
         for c in concurrencies:
             rows[f"offline@c{c}"] = asyncio.run(
-                asyncio.wait_for(
-                    offline_phase(args, prompts_for(prompts, c, args), slo, c), args.max_duration_s
-                )
+                asyncio.wait_for(offline_phase(args, prompts, slo, c), args.max_duration_s)
             )
     loads.append(os.getloadavg()[0])
     print(
@@ -676,14 +698,30 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def prompts_for(prompts: list[list[int]], concurrency: int, args: argparse.Namespace):  # noqa: ANN201
-    return prompts[: args.num_requests_at_1] if concurrency == 1 else prompts
+class PromptSets:
+    """The prompts of each load: random ids from the ordinary vocabulary (no special tokens),
+    a fresh set for the warm-up and for each round at each concurrency, the same sets for
+    every app and the offline engine. No timed prompt was seen before by the engine that
+    serves it, so every path prefills every prompt (a prefix-cache hit would skip most of it:
+    a warm-up of the timed prompts themselves made later TTFTs incomparable)."""
+
+    def __init__(self, args: argparse.Namespace, warmup_size: int) -> None:
+        self.args = args
+        self.warmup = self._draw("warm-up", warmup_size)
+
+    def load(self, round_no: int, concurrency: int) -> list[list[int]]:
+        n = self.args.num_requests_at_1 if concurrency == 1 else self.args.num_requests
+        return self._draw(f"round {round_no} at {concurrency}", n)
+
+    def _draw(self, tag: str, n: int) -> list[list[int]]:
+        rng = random.Random(f"{self.args.seed} {tag}")
+        return [[rng.randrange(1000, 40000) for _ in range(self.args.input_len)] for _ in range(n)]
 
 
 async def serve_rounds(  # noqa: PLR0913
     urls: dict[str, str],
     args: argparse.Namespace,
-    prompts: list[list[int]],
+    prompts: PromptSets,
     slo: dict[str, float],
     concurrencies: list[int],
     vllm: VLLMServer | None,
@@ -703,7 +741,7 @@ async def serve_rounds(  # noqa: PLR0913
         for url in urls.values():  # warm-up: the first prefill of each shape is not timed
             await run_load(
                 lambda p, u=url: http_request(client, f"{u}/v1/completions", args.model, p, 4),
-                prompts[: max(concurrencies)],
+                prompts.warmup,
                 float("inf"),
                 max(concurrencies),
                 args.seed,
@@ -719,20 +757,18 @@ async def serve_rounds(  # noqa: PLR0913
                 if args.profile_s and round_no == 0 and c == max(concurrencies):
                     out = Path(args.json).parent / "profile"
                     profiles = start_profiles(name, args.profile_s, out)
-                before = cpu_seconds(procs)
+                cpu_before = cpu_seconds(procs)
                 got, duration = await run_load(
                     lambda p, u=url: http_request(
                         client, f"{u}/v1/completions", args.model, p, args.output_len
                     ),
-                    prompts_for(prompts, c, args),
+                    prompts.load(round_no, c),
                     args.request_rate,
                     c,
                     args.seed,
                 )
-                after = cpu_seconds(procs)
-                for title, seconds in after.items():
-                    delta = seconds - before.get(title, 0.0)
-                    cpu[name, c][title] = cpu[name, c].get(title, 0.0) + delta
+                for title, seconds in cpu_used(cpu_before, cpu_seconds(procs)).items():
+                    cpu[name, c][title] = cpu[name, c].get(title, 0.0) + seconds
                 for _, profiler in profiles:
                     profiler.wait()
                 results[name, c].extend(got)
@@ -759,7 +795,9 @@ async def serve_rounds(  # noqa: PLR0913
     return rows
 
 
-async def offline_phase(args: argparse.Namespace, prompts, slo, concurrency: int) -> dict:  # noqa: ANN001
+async def offline_phase(
+    args: argparse.Namespace, prompts: PromptSets, slo: dict[str, float], concurrency: int
+) -> dict:
     """The engine in this process, on the served replica's threads and batch limit."""
     import resource
 
@@ -780,15 +818,16 @@ async def offline_phase(args: argparse.Namespace, prompts, slo, concurrency: int
         return usage.ru_utime + usage.ru_stime
 
     try:
+        warmup = prompts.warmup
         await run_load(
-            lambda p: direct_request(engine, p, 4), prompts, float("inf"), concurrency, args.seed
+            lambda p: direct_request(engine, p, 4), warmup, float("inf"), len(warmup), args.seed
         )
         total_results, total_duration, total_cpu = [], 0.0, 0.0
-        for _ in range(args.rounds):
+        for round_no in range(args.rounds):
             start = cpu_s()
             results, duration = await run_load(
                 lambda p: direct_request(engine, p, args.output_len),
-                prompts,
+                prompts.load(round_no, concurrency),
                 args.request_rate,
                 concurrency,
                 args.seed,
