@@ -689,10 +689,12 @@ class PromptSets:
 class Loads:
     """Every app's results, durations, CPU seconds and /metrics scrapes, by app and concurrency."""
 
-    def __init__(self, args: argparse.Namespace, prompts: PromptSets, loads: list[float]) -> None:
+    def __init__(
+        self, args: argparse.Namespace, prompts: PromptSets, load_averages: list[float]
+    ) -> None:
         self.args = args
         self.prompts = prompts
-        self.loads = loads
+        self.load_averages = load_averages  # the box's 1-minute load average after each load
         self.results: dict[tuple[str, int], list[RequestResult]] = {}
         self.durations: dict[tuple[str, int], float] = {}
         self.cpu: dict[tuple[str, int], dict[str, float]] = {}
@@ -746,7 +748,7 @@ class Loads:
                     profiler.wait()
                 self.results.setdefault((name, c), []).extend(got)
                 self.durations[name, c] = self.durations.get((name, c), 0.0) + duration
-                self.loads.append(os.getloadavg()[0])
+                self.load_averages.append(os.getloadavg()[0])
             if ours and round_no == 0:
                 self.scrapes[name].append((await client.get(f"{url}/metrics")).text)
 

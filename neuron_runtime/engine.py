@@ -216,14 +216,12 @@ class LLMEngine:
         request.all_token_ids.extend(outputs)
         seed = request.params.seed
         if seed is not None and not request.params.greedy:
-            state = handoff.generator_state
-            if state is None:
+            if handoff.generator_state is None:
                 # A migrated request (its replica was lost with the generator): replay the
                 # draws the lost replica made for those tokens.
-                device = self.runner.generator_device
-                vocab = self.config.model.vocab_size
-                state = skip_draws(seed, len(outputs), vocab, device).get_state().numpy()
-            self.runner.restore_generator(request.req_id, seed, state)
+                self._replay_generator(request.req_id, seed, len(outputs))
+            else:
+                self.runner.restore_generator(request.req_id, seed, handoff.generator_state)
         self.num_kv_imports += 1
         return outputs
 
@@ -317,9 +315,12 @@ class LLMEngine:
             return
         seed = request.params.seed
         assert seed is not None  # the runner keeps generators of seeded requests only
+        self._replay_generator(req_id, seed, len(request.output_token_ids))
+
+    def _replay_generator(self, req_id: str, seed: int, num_tokens: int) -> None:
+        """Sets the request's generator to where sampling ``num_tokens`` tokens left it."""
         device = self.runner.generator_device
-        vocab = self.config.model.vocab_size
-        drawn = skip_draws(seed, len(request.output_token_ids), vocab, device)
+        drawn = skip_draws(seed, num_tokens, self.config.model.vocab_size, device)
         self.runner.restore_generator(req_id, seed, drawn.get_state().numpy())
 
     def _validate_online(self, prompt_logits: dict[str, np.ndarray]) -> None:
