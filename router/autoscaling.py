@@ -24,7 +24,8 @@ replica has not reported yet:
 - encoders: ongoing requests per replica against ``encoder_target_ongoing``;
 - any other autoscaled deployment: Serve's default (ongoing requests / target_ongoing_requests).
 
-Scale-down sheds at most ``max_scale_down_step`` replicas of a deployment per decision: Serve
+Scale-down sheds at most ``max_scale_down_step`` replicas of a deployment per decision, counted
+from its current target (replicas still starting included): Serve
 drains a leaving replica (it takes no new requests and finishes its ongoing ones within the
 deployment's graceful_shutdown_timeout_s), and a decode replica's ongoing requests are long
 streams, so replicas leave a few at a time.
@@ -156,8 +157,13 @@ class PDAutoscalingPolicy:
         return prefill, decode
 
     def bounded(self, ctx: AutoscalingContext, replicas: int) -> int:
-        """Within the deployment's (capacity-adjusted) bounds; scale-down a step at a time."""
-        floor = ctx.current_num_replicas - self.max_scale_down_step
+        """Within the deployment's (capacity-adjusted) bounds; scale-down a step at a time.
+
+        The step counts from the larger of the target and the running replicas: replicas that
+        are still starting count, so one low reading (a look-back window that fell between
+        requests) cancels at most a step of a scale-up in flight, not all of it."""
+        current = max(ctx.current_num_replicas, ctx.target_num_replicas or 0)
+        floor = current - self.max_scale_down_step
         if replicas < floor:
             replicas = floor
         low, high = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas

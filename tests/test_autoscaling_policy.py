@@ -30,9 +30,11 @@ def context(
     min_replicas: int = 1,
     max_replicas: int = 16,
     queued: float = 0.0,
+    target: int | None = None,
 ) -> AutoscalingContext:
     """``metrics``: per-replica values of each custom metric (as record_autoscaling_stats
-    reports them, after Serve's look-back averaging)."""
+    reports them, after Serve's look-back averaging). ``target``: the deployment's current
+    target when replicas are still starting (``replicas`` of them run)."""
     ids = [ReplicaID(f"{dep_id.name}-{i}", dep_id) for i in range(replicas)]
     aggregated = {
         name: {ids[i]: value for i, value in enumerate(values)}
@@ -50,7 +52,7 @@ def context(
         deployment_name=dep_id.name,
         app_name=APP,
         current_num_replicas=replicas,
-        target_num_replicas=replicas,
+        target_num_replicas=replicas if target is None else target,
         running_replicas=ids,
         total_num_requests=requests,
         total_queued_requests=queued,
@@ -149,6 +151,19 @@ def test_drain_scales_down_one_replica_per_decision_to_the_minimum() -> None:
     for before, after in zip(seen, seen[1:], strict=False):
         assert all(before[d] - after[d] <= 1 for d in after)
         assert after[DECODE] >= after[PREFILL]
+
+
+def test_a_low_reading_cancels_a_scale_up_in_flight_a_step_at_a_time() -> None:
+    # Decode's target is 6 while 1 replica runs (5 starting), and one look-back window saw it
+    # idle: the decision sheds one of the starting replicas (5), not all of them (1); each
+    # further low reading sheds one more.
+    idle = engine_metrics([0.0], [0.0], [0.0], [0.0])
+    assert decide([context(DECODE, 1, 0, idle, target=6)]) == {DECODE: 5}
+    assert decide([context(DECODE, 1, 0, idle, target=5)]) == {DECODE: 4}
+    # A drain in progress (target below the running count) still steps from the running count.
+    assert decide([context(DECODE, 4, 0, engine_metrics(*([[0.0] * 4] * 4)), target=3)]) == {
+        DECODE: 3
+    }
 
 
 def test_a_missing_deployment_or_missing_metrics() -> None:
