@@ -34,7 +34,8 @@ def k(request: pytest.FixtureRequest) -> Iterator[cpu_kernels.CPUKernels]:
     fused.set_num_threads(before)
 
 
-# Every tile shape (8, 4, 2, 1 rows and their sums), more than one row block, partial panels.
+# Every tile shape (pairs of rows on a panel, groups of up to 6 on half panels), more than one
+# row block, partial panels.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 15, 23, 64, 77, 130])
 @pytest.mark.parametrize("width,out", [(1, 1), (7, 5), (64, 67), (129, 130)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -46,6 +47,20 @@ def test_packed_linear_matches_f_linear(k, rows, width, out, bias):
     expected = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
     got = k.linear(x, k.pack(w), b, out)
     torch.testing.assert_close(got, expected, atol=ATOL * width**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [3, 6, 7, 16, 23, 77])
+@pytest.mark.parametrize("width,out", [(64, 8), (129, 130), (576, 100)])
+def test_packed_linear_row_is_the_same_alone_or_in_a_batch(k, rows, width, out):
+    # Every tile shape sums each output over the inputs in the same order, so a row's output
+    # does not depend on the rows batched with it: each row alone gives the batch's bits.
+    g = torch.Generator().manual_seed(rows + width + out)
+    x = torch.randn(rows, width, generator=g)
+    w = k.pack(torch.randn(out, width, generator=g))
+    b = torch.randn(out, generator=g)
+    batched = k.linear(x, w, b, out)
+    alone = torch.cat([k.linear(x[i : i + 1].clone(), w, b, out) for i in range(rows)])
+    assert torch.equal(batched, alone)
 
 
 def test_linear_layer_on_kernels_keeps_only_the_packed_weight(k):

@@ -298,6 +298,79 @@ static inline __attribute__((always_inline)) void tile8(const float *x, int64_t 
         store_row(sums, bias, y + r * out, cols);
     }
 }
+
+/*
+ * Three rows and more: GROUP_ROWS rows times half a panel (16 columns, two vec8), twelve sums
+ * in registers. Per input that is 12 FMAs on two weight loads and six broadcasts, enough
+ * independent sums to keep both FMA pipes busy through their latency, where a pair of rows on
+ * a whole panel runs 8 sums on four weight loads. A half panel of 16 rows is read three times
+ * (6 + 6 + 4 rows), not eight. Each sum is the same chain of FMAs over i as in tile8.
+ */
+#define GROUP_ROWS 6
+
+static inline __attribute__((always_inline)) void group16(const float *x, int64_t in,
+                                                          const float *w, const float *bias,
+                                                          float *y, int64_t out, int64_t cols,
+                                                          int rows, const float *ahead,
+                                                          int64_t ahead_every) {
+    vec8 acc[GROUP_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (vec8){0};
+    int64_t countdown = ahead_every;
+    for (int64_t i = 0; i < in; i++) {
+        if (ahead != NULL && --countdown == 0) {
+            __builtin_prefetch(ahead, 0, 3);
+            ahead += 16;
+            countdown = ahead_every;
+        }
+        const vec8 w0 = *(const vec8 *)(w + i * PANEL), w1 = *(const vec8 *)(w + i * PANEL + 8);
+        for (int r = 0; r < rows; r++) {
+            const float xi = x[r * in + i];
+            const vec8 b = {xi, xi, xi, xi, xi, xi, xi, xi};
+            acc[r][0] += b * w0;
+            acc[r][1] += b * w1;
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float sums[16];
+        memcpy(sums, acc[r], sizeof(sums));
+        store_row(sums, bias, y + r * out, cols);
+    }
+}
+
+/* Rows [0, rows) of x (three or more) times one panel, a half panel at a time. */
+static void groups16(const float *x, int64_t in, const float *panel, const float *bias,
+                     float *y, int64_t out, int64_t cols, int64_t rows, const float *ahead) {
+    const int64_t halves = cols > 16 ? 2 : 1;
+    const int64_t passes = halves * ((rows + GROUP_ROWS - 1) / GROUP_ROWS);
+    /* Three passes and more fetch the next panel between them, a line every `every` inputs
+     * (fewer read the weights about as fast as they use them: the hardware streams them). */
+    if (passes <= 2) ahead = NULL;
+    const int64_t lines = in * PANEL / 16;
+    const int64_t every = ahead != NULL ? (in * passes + lines - 1) / lines : 0;
+    for (int64_t h = 0; h < halves; h++) {
+        const int64_t c0 = h * 16, hcols = cols - c0 < 16 ? cols - c0 : 16;
+        const float *b = bias != NULL ? bias + c0 : NULL;
+        for (int64_t r = 0; r < rows; r += GROUP_ROWS) {
+            const float *xr = x + r * in;
+            float *yr = y + r * out + c0;
+            const float *w = panel + c0;
+            switch (rows - r < GROUP_ROWS ? rows - r : GROUP_ROWS) {
+#define GROUP(n)                                                                             \
+    case n:                                                                                  \
+        group16(xr, in, w, b, yr, out, hcols, n, ahead, every);                              \
+        break
+                GROUP(6);
+                GROUP(5);
+                GROUP(4);
+                GROUP(3);
+                GROUP(2);
+                GROUP(1);
+#undef GROUP
+            }
+            if (ahead != NULL) ahead += (in / every) * 16;
+        }
+    }
+}
 #endif
 
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t in,
@@ -354,6 +427,13 @@ static void linear_block(const struct linear_job *j, int64_t r0, int64_t r1, int
         const float *b = j->bias != NULL ? j->bias + c0 : NULL;
         float *yp = j->y + c0;
         const float *x = j->x;
+#if !defined(__AVX512F__) && defined(__AVX__)
+        if (r1 - r0 > TILE8_ROWS) {
+            groups16(x + r0 * in, in, panel, b, yp + r0 * out, out, cols, r1 - r0,
+                     p + 1 < p1 ? panel + in * PANEL : NULL);
+            continue;
+        }
+#endif
         /* Several row tiles share this panel: they fetch the next one between them, a
          * line every ahead_every steps, so it is in cache when its first tile starts
          * instead of being read at the speed of memory. With one or two tiles the weights
