@@ -147,14 +147,16 @@ class CPUKernelOps(Ops):
         return pack(blocks, out, width)
 
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        packed: torch.Tensor | QuantizedPanels | None = getattr(layer, "quantized", None)
+        packed: torch.Tensor | QuantizedPanels | None = layer.quantized
         if packed is None:
             packed = layer.packed
         if packed is None:  # not attached (built after the backend prepared the model)
             return F.linear(x, layer.weight, layer.bias)
+        out = layer.out_features
+        if x.dim() == 2:  # the model's activations are [tokens, hidden]: no reshape to undo
+            return self.kernels.linear(x.contiguous(), packed, layer.bias, out)
         rows = x.reshape(-1, layer.in_features).contiguous()
-        y = self.kernels.linear(rows, packed, layer.bias, layer.out_features)
-        return y.view(*x.shape[:-1], layer.out_features)
+        return self.kernels.linear(rows, packed, layer.bias, out).view(*x.shape[:-1], out)
 
     def logits(self, head: LogitsHead, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         quantized = getattr(head, "quantized", None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -17,6 +19,10 @@ class Linear(nn.Linear):
 
     ops: Ops = TORCH_OPS
     packed: torch.Tensor | None
+    # The weight's GGUF blocks when the CPU kernels run on them (backends/cpu_ops.py sets it
+    # per layer). A class default, so the per-call lookup never takes nn.Module's slow path
+    # for a missing attribute.
+    quantized: Any = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias)
