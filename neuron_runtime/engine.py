@@ -261,9 +261,13 @@ class LLMEngine:
         updated = self.scheduler.update(runnable, result.sampled, result.failed, result.accepted)
         self._hand_off(updated)
         draft_logprobs = self.spec.take_logprobs() if self.spec is not None else {}
-        outputs, stopped = self.output_processor.process(updated, result.logprobs, draft_logprobs)
+        outputs, stopped, failed_outputs = self.output_processor.process(
+            updated, result.logprobs, draft_logprobs
+        )
         for child_id in stopped:
             self.scheduler.finish(child_id, RequestStatus.FINISHED_STOPPED)
+        for child_id in failed_outputs:
+            self.scheduler.finish(child_id, RequestStatus.FINISHED_ERROR)
         for request in updated:
             if request.status.finished:
                 self.runner.release(request.req_id)

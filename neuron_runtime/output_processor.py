@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -9,6 +10,8 @@ from neuron_runtime.outputs import CompletionOutput, RequestOutput, RequestOutpu
 from neuron_runtime.request import Request, RequestStatus
 from neuron_runtime.sampling_params import SamplingParams
 from neuron_runtime.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -109,52 +112,75 @@ class OutputProcessor:
         updated: list[Request],
         logprobs: dict[str, dict[int, float]],
         draft_logprobs: dict[str, list[dict[int, float]]] | None = None,
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to deliver and the child ids that a stop string ended.
+    ) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """Returns the outputs to deliver, the child ids that a stop string ended and those
+        whose processing raised (each of those ends with an error; the others go on).
 
         ``logprobs``: the entry of each request's sampled token; ``draft_logprobs``: those of
         the speculative drafts accepted before it. A stop string is looked for after each new
         token, and the tokens after the one completing it are dropped.
         """
         stopped: list[str] = []
+        failed: list[str] = []
         touched: dict[str, _Parent] = {}
         now = time.monotonic()
         for request in updated:
             parent = self.parents[self.child_to_parent[request.req_id]]
             seq = parent.seqs[request.req_id]
-            parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
-            if parent.first_token_time is None:
-                parent.first_token_time = now
-                parent.first_scheduled_time = request.first_scheduled_time
-            if request.status == RequestStatus.FINISHED_ERROR:
-                parent.error = request.error
-            else:
-                new_tokens = request.all_token_ids[request.num_prompt_tokens + len(seq.token_ids) :]
-                entries: list[dict[int, float] | None] = [
-                    *(draft_logprobs or {}).get(request.req_id, []),
-                    logprobs.get(request.req_id),
-                ]
-                num_before = request.num_output_tokens - len(new_tokens)
-                for i, token in enumerate(new_tokens):
-                    seq.token_ids.append(token)
-                    entry = entries[i] if i < len(entries) else None
-                    if seq.logprobs is not None and entry is not None:
-                        seq.logprobs.append(entry)
-                        seq.cumulative_logprob += entry[token]
-                    if seq.detokenizer is not None:
-                        seq.text += seq.detokenizer.update([token])
-                    if seq.stop is not None and self._check_stop_strings(
-                        request, seq, stopped, num_before + i + 1
-                    ):
-                        break
-            if request.status.finished:
-                if seq.detokenizer is not None and seq.stop_reason is None:
-                    seq.text += seq.detokenizer.flush()
-                seq.finish_reason = request.finish_reason
-                if seq.stop_reason is None:
-                    seq.stop_reason = request.stop_reason
             touched[parent.request_id] = parent
-        return [out for p in touched.values() if (out := self._output(p)) is not None], stopped
+            try:
+                self._process_one(request, parent, seq, now, logprobs, draft_logprobs, stopped)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is not the step's
+                logger.warning("output of %s failed (%r): ending it", request.req_id, exc)
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = parent.error = f"output processing failed: {exc!r}"
+                seq.finish_reason = request.finish_reason
+                failed.append(request.req_id)
+        outputs = [out for p in touched.values() if (out := self._output(p)) is not None]
+        return outputs, stopped, failed
+
+    def _process_one(
+        self,
+        request: Request,
+        parent: _Parent,
+        seq: _Sequence,
+        now: float,
+        logprobs: dict[str, dict[int, float]],
+        draft_logprobs: dict[str, list[dict[int, float]]] | None,
+        stopped: list[str],
+    ) -> None:
+        """One child's new tokens, text, stop strings and finish into its parent."""
+        parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
+        if parent.first_token_time is None:
+            parent.first_token_time = now
+            parent.first_scheduled_time = request.first_scheduled_time
+        if request.status == RequestStatus.FINISHED_ERROR:
+            parent.error = request.error
+        else:
+            new_tokens = request.all_token_ids[request.num_prompt_tokens + len(seq.token_ids) :]
+            entries: list[dict[int, float] | None] = [
+                *(draft_logprobs or {}).get(request.req_id, []),
+                logprobs.get(request.req_id),
+            ]
+            num_before = request.num_output_tokens - len(new_tokens)
+            for i, token in enumerate(new_tokens):
+                seq.token_ids.append(token)
+                entry = entries[i] if i < len(entries) else None
+                if seq.logprobs is not None and entry is not None:
+                    seq.logprobs.append(entry)
+                    seq.cumulative_logprob += entry[token]
+                if seq.detokenizer is not None:
+                    seq.text += seq.detokenizer.update([token])
+                if seq.stop is not None and self._check_stop_strings(
+                    request, seq, stopped, num_before + i + 1
+                ):
+                    break
+        if request.status.finished:
+            if seq.detokenizer is not None and seq.stop_reason is None:
+                seq.text += seq.detokenizer.flush()
+            seq.finish_reason = request.finish_reason
+            if seq.stop_reason is None:
+                seq.stop_reason = request.stop_reason
 
     @staticmethod
     def _mark_delivered(seq: _Sequence, token_ids: list[int]) -> None:

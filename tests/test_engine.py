@@ -532,6 +532,40 @@ def test_length_limits_are_inclusive(tiny_llm):
 # -- one request's failing step -------------------------------------------------------------
 
 
+def test_a_request_whose_output_processing_fails_fails_alone(tiny_llm, monkeypatch):
+    """A fault while one request's tokens are turned into its output (detokenizing, stop
+    strings) ends that request with an error; the others finish with the tokens and text a
+    run without it gives, and the engine ends idle."""
+    prompts = TINY_PROMPTS[:3]
+    params = [greedy(12), seeded(3, max_tokens=12), greedy(12)]
+    reference = tiny_llm.generate(prompts, params)
+    bad_seed = 99  # marks the request whose output processing raises
+    processor = tiny_llm.engine.output_processor
+    process_one = processor._process_one
+    calls = {"bad": 0}
+
+    def faulty(request, *args):
+        if request.params.seed == bad_seed:
+            calls["bad"] += 1
+            if calls["bad"] == 3:  # its first two steps go through
+                raise ValueError("injected output fault")
+        return process_one(request, *args)
+
+    monkeypatch.setattr(processor, "_process_one", faulty)
+    got = tiny_llm.generate(prompts + [TINY_PROMPTS[3]], params + [seeded(bad_seed, max_tokens=12)])
+    bad = got[-1]
+    assert calls["bad"] == 3  # never called again once it failed
+    assert bad.finished and bad.outputs[0].finish_reason == "error"
+    assert "injected output fault" in (bad.error or "")
+    assert len(bad.outputs[0].token_ids) == 2
+    for out, ref in zip(got[:-1], reference, strict=True):
+        assert out.error is None
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].text == ref.outputs[0].text
+        assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+    assert_idle(tiny_llm)
+
+
 def test_a_request_that_fails_its_step_fails_alone(tiny_llm, monkeypatch):
     """A fault in one request's slice, raised after the batch's sampling drew from every
     seeded generator, ends that request with an error; the rest of the batch goes on with the
