@@ -71,7 +71,7 @@ class CPUKernelOps(Ops):
             if isinstance(module, Linear):
                 panels = quantized.get(name)
                 if panels is not None:
-                    module.quantized = panels  # type: ignore[assignment]
+                    module.quantized = panels
                     module.packed = None
                 else:
                     module.packed = self.kernels.pack(module.weight)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from neuron_runtime.backends.ops import TORCH_OPS, Ops
+
+if TYPE_CHECKING:
+    from neuron_runtime.backends.cpu_kernels import QuantizedPanels
 
 
 class Linear(nn.Linear):
@@ -22,7 +25,7 @@ class Linear(nn.Linear):
     # The weight's GGUF blocks when the CPU kernels run on them (backends/cpu_ops.py sets it
     # per layer). A class default, so the per-call lookup never takes nn.Module's slow path
     # for a missing attribute.
-    quantized: Any = None
+    quantized: QuantizedPanels | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias)
