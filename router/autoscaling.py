@@ -21,6 +21,12 @@ replica has not reported yet:
   KV-cache usage against ``kv_usage_target`` (a decode replica is full when its KV is);
 - decode/prefill kept within [min_decode_per_prefill, max_decode_per_prefill] by raising the
   smaller side, so a burst grows both;
+- each side moved only as far as the ratio allows against the other side's current target:
+  Serve runs each deployment's upscale/downscale delay on its own clock, so a decision for both
+  can land on one deployment ticks before the other. Returning, for each side, a count within
+  the ratio of the other's target (and of the other's new count) keeps every pair of targets
+  Serve can hold within the ratio. A burst that needs more than the ratio at once grows the two
+  sides in turn, each step at most the ratio;
 - encoders: ongoing requests per replica against ``encoder_target_ongoing``;
 - any other autoscaled deployment: Serve's default (ongoing requests / target_ongoing_requests).
 
@@ -116,7 +122,18 @@ class PDAutoscalingPolicy:
         if prefill is not None and decode is not None:
             wanted[prefill], wanted[decode] = self.within_ratio(wanted[prefill], wanted[decode])
         decisions = {
-            dep_id: self.bounded(contexts[dep_id], replicas) for dep_id, replicas in wanted.items()
+            dep_id: self.stepped(contexts[dep_id], replicas) for dep_id, replicas in wanted.items()
+        }
+        if prefill is not None and decode is not None:
+            decisions[prefill], decisions[decode] = self.coupled(
+                decisions[prefill],
+                decisions[decode],
+                contexts[prefill].target_num_replicas,
+                contexts[decode].target_num_replicas,
+            )
+        decisions = {
+            dep_id: within_bounds(contexts[dep_id], replicas)
+            for dep_id, replicas in decisions.items()
         }
         state = {
             dep_id: {"wanted": wanted[dep_id], "reason": reasons[dep_id]} for dep_id in decisions
@@ -154,20 +171,58 @@ class PDAutoscalingPolicy:
             decode = math.ceil(prefill * self.min_decode_per_prefill - 1e-9)
         if decode > prefill * self.max_decode_per_prefill:
             prefill = math.ceil(decode / self.max_decode_per_prefill - 1e-9)
+            # More prefill may need more decode again (a tight ratio: min close to max).
+            decode = max(decode, math.ceil(prefill * self.min_decode_per_prefill - 1e-9))
         return prefill, decode
 
-    def bounded(self, ctx: AutoscalingContext, replicas: int) -> int:
-        """Within the deployment's (capacity-adjusted) bounds; scale-down a step at a time.
+    def coupled(
+        self, prefill: int, decode: int, prefill_target: int, decode_target: int
+    ) -> tuple[int, int]:
+        """Each side within the ratio of the other's current target (module docstring).
+
+        Given targets within the ratio, the intervals below hold those targets, and the pair
+        returned is within the ratio of each other too: Serve may apply either, both or
+        neither this tick. Where neither side can move alone (a ratio with min == max) both
+        move to the wanted pair at once, and Serve's delays may part them for a tick."""
+        low, high = self.min_decode_per_prefill, self.max_decode_per_prefill
+        wanted_prefill, wanted_decode = prefill, decode
+        # Each interval holds the side's own target too, so targets outside the ratio (a
+        # deployment's bounds, a redeploy) never push a side away from what it wants.
+        prefill = clamp(
+            prefill,
+            min(prefill_target, math.ceil(decode_target / high - 1e-9)),
+            max(prefill_target, math.floor(decode_target / low + 1e-9)),
+        )
+        decode = clamp(
+            decode,
+            min(decode_target, math.ceil(prefill_target * low - 1e-9)),
+            max(decode_target, math.floor(prefill_target * high + 1e-9)),
+        )
+        # Both sides moving the same tick: the new pair keeps the ratio too.
+        decode = clamp(decode, math.ceil(prefill * low - 1e-9), math.floor(prefill * high + 1e-9))
+        if (prefill, decode) == (prefill_target, decode_target) != (wanted_prefill, wanted_decode):
+            # A ratio too tight for one side to move alone (min == max): both move at once.
+            return wanted_prefill, wanted_decode
+        return prefill, decode
+
+    def stepped(self, ctx: AutoscalingContext, replicas: int) -> int:
+        """Scale-down a step at a time.
 
         The step counts from the larger of the target and the running replicas: replicas that
         are still starting count, so one low reading (a look-back window that fell between
         requests) cancels at most a step of a scale-up in flight, not all of it."""
         current = max(ctx.current_num_replicas, ctx.target_num_replicas or 0)
-        floor = current - self.max_scale_down_step
-        if replicas < floor:
-            replicas = floor
-        low, high = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
-        return max(low, min(high, replicas))
+        return max(replicas, current - self.max_scale_down_step)
+
+
+def within_bounds(ctx: AutoscalingContext, replicas: int) -> int:
+    """Within the deployment's (capacity-adjusted) bounds: they win over the ratio."""
+    return clamp(replicas, ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas)
+
+
+def clamp(value: int, low: int, high: int) -> int:
+    """``value`` within [low, high]; ``low`` wins when the interval is empty."""
+    return max(low, min(high, value))
 
 
 def need(load: float, per_replica: float) -> int:

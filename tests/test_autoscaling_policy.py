@@ -7,6 +7,7 @@ wrapper (which applies each deployment's bounds and delays) give them.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -83,33 +84,80 @@ POLICY = PDAutoscalingPolicy(
 )
 
 
-def decide(contexts: list[AutoscalingContext], policy: PDAutoscalingPolicy = POLICY):
+def decide_with_state(contexts: list[AutoscalingContext], policy: PDAutoscalingPolicy = POLICY):
     decisions, state = policy({c.deployment_id: c for c in contexts})
     assert set(state) == set(decisions)
-    return decisions
+    return decisions, state
+
+
+def decide(contexts: list[AutoscalingContext], policy: PDAutoscalingPolicy = POLICY):
+    return decide_with_state(contexts, policy)[0]
 
 
 def test_burst_scales_prefill_and_decode_together_within_the_ratio() -> None:
-    # 100 prompts at 1 prefill replica: ceil(100 / 16) = 7 prefill; TTFT 3 s on 1 replica would
-    # ask for only 2. Decode: 40 running + 8 waiting over 2 replicas -> ceil(48 / 32) = 2, KV
-    # 0.9 -> ceil(2 * 0.9 / 0.75) = 3; the ratio (>= 1 decode per prefill) lifts decode to 7.
-    # Encoders: 30 images in flight -> ceil(30 / 8) = 4.
-    contexts = [
-        context(PREFILL, 1, 100, engine_metrics([16], [84], [0.2], [3.0])),
-        context(DECODE, 2, 48, engine_metrics([20, 20], [4, 4], [0.9, 0.9], [0.0, 0.0])),
-        context(ENCODER, 1, 30, max_replicas=4),
-    ]
-    assert decide(contexts) == {PREFILL: 7, DECODE: 7, ENCODER: 4}
+    # 100 prompts: ceil(100 / 16) = 7 prefill (TTFT 0.5 s, under target). Decode: 40 running
+    # + 8 waiting over 2 replicas -> ceil(48 / 32) = 2, KV 0.5 (under 0.75 on up to 7
+    # replicas); the ratio (>= 1 decode per prefill) lifts decode to 7. Encoders: 30 images in
+    # flight -> ceil(30 / 8) = 4.
+    def contexts(prefill: int, decode: int) -> list[AutoscalingContext]:
+        return [
+            context(PREFILL, prefill, 100, engine_metrics([16], [84], [0.2], [0.5])),
+            context(DECODE, decode, 48, engine_metrics([20, 20], [4, 4], [0.5, 0.5], [0.0, 0.0])),
+            context(ENCODER, 1, 30, max_replicas=4),
+        ]
+
+    decisions, state = decide_with_state(contexts(1, 2))
+    assert {dep: s["wanted"] for dep, s in state.items()} == {PREFILL: 7, DECODE: 7, ENCODER: 4}
+    # Against the current targets (1 prefill, 2 decode), each side moves only as far as keeps
+    # the ratio [1, 4] whichever Serve applies first: prefill to 2 (<= 2 decode / 1), decode
+    # to 4 (<= 4 * 1 prefill). The next decisions, from those targets: (4, 7), then (7, 7).
+    assert decisions == {PREFILL: 2, DECODE: 4, ENCODER: 4}
+    assert decide(contexts(2, 4)) == {PREFILL: 4, DECODE: 7, ENCODER: 4}
+    assert decide(contexts(4, 7)) == {PREFILL: 7, DECODE: 7, ENCODER: 4}
 
 
 def test_decode_kv_pressure_lifts_prefill_to_the_ratio() -> None:
     # Decode KV full (1.0) on 8 replicas -> ceil(8 / 0.75) = 11; at most 4 decode per prefill
-    # -> prefill ceil(11 / 4) = 3 though its own queue asks for 1.
-    contexts = [
-        context(PREFILL, 1, 4, engine_metrics([4], [0], [0.1], [0.2])),
-        context(DECODE, 8, 200, engine_metrics([25] * 8, [0] * 8, [1.0] * 8, [0.0] * 8)),
-    ]
-    assert decide(contexts) == {PREFILL: 3, DECODE: 11}
+    # -> prefill ceil(11 / 4) = 3 though its own queue asks for 1. The targets (1, 8) are
+    # outside the ratio: prefill goes to 3 and decode keeps its 8 (> 4 * 1) but no more.
+    def contexts(prefill: int) -> list[AutoscalingContext]:
+        return [
+            context(PREFILL, prefill, 4, engine_metrics([4], [0], [0.1], [0.2])),
+            context(DECODE, 8, 200, engine_metrics([25] * 8, [0] * 8, [1.0] * 8, [0.0] * 8)),
+        ]
+
+    assert decide(contexts(1)) == {PREFILL: 3, DECODE: 8}
+    assert decide(contexts(3)) == {PREFILL: 3, DECODE: 11}
+
+
+@pytest.mark.parametrize("ratio", [(1.0, 4.0), (1.0, 2.0), (0.5, 2.0), (0.25, 0.5)])
+def test_targets_keep_the_ratio_whichever_side_serve_applies_first(ratio) -> None:
+    """Serve runs each deployment's delays on its own clock: of one decision it may apply the
+    prefill count, the decode count, both or neither this tick. From every pair of targets
+    within the ratio, toward every pair of needs, each of those outcomes is within the ratio,
+    and decisions repeated from the targets they produce reach the wanted pair."""
+    low, high = ratio
+    policy = PDAutoscalingPolicy(min_decode_per_prefill=low, max_decode_per_prefill=high)
+
+    def within(prefill: int, decode: int) -> bool:
+        return prefill * low - 1e-9 <= decode <= prefill * high + 1e-9
+
+    for targets in itertools.product(range(1, 11), repeat=2):
+        if not within(*targets):
+            continue
+        for needs in itertools.product(range(1, 15), range(0, 15)):
+            goal = policy.within_ratio(*needs)
+            if not within(*goal):  # (0.25, 0.5): no decode count for some prefill counts
+                continue
+            decided = policy.coupled(*goal, *targets)
+            outcomes = [decided, (decided[0], targets[1]), (targets[0], decided[1])]
+            assert all(within(*pair) for pair in outcomes), (targets, goal, decided)
+            pair = targets
+            for _ in range(16):
+                if pair == goal:
+                    break
+                pair = policy.coupled(*goal, *pair)
+            assert pair == goal, (targets, goal, pair)
 
 
 def test_ttft_over_target_adds_prefill_replicas_capped_per_tick() -> None:
@@ -180,12 +228,13 @@ def test_a_missing_deployment_or_missing_metrics() -> None:
 
 
 def test_bounds_win_over_the_ratio() -> None:
+    # Idle: both want their minimum. Prefill's min_replicas is 3 and decode's max_replicas 2,
+    # so the bounds hold 3 prefill against 2 decode, under the ratio's 1 decode per prefill.
     contexts = [
-        context(PREFILL, 1, 160, engine_metrics([16], [144], [0.2], [0.5]), max_replicas=8),
-        context(DECODE, 1, 0, engine_metrics([0], [0], [0.0], [0.0]), max_replicas=6),
+        context(PREFILL, 3, 0, engine_metrics([0] * 3, [0] * 3, [0.0] * 3, [0.0] * 3), 3),
+        context(DECODE, 2, 0, engine_metrics([0] * 2, [0] * 2, [0.0] * 2, [0.0] * 2), 1, 2),
     ]
-    # prefill wants 10 (capped 8), decode lifted to 10 by the ratio (capped 6).
-    assert decide(contexts) == {PREFILL: 8, DECODE: 6}
+    assert decide(contexts) == {PREFILL: 3, DECODE: 2}
 
 
 def test_serve_builds_the_policy_from_policy_kwargs_and_applies_it() -> None:
@@ -203,11 +252,12 @@ def test_serve_builds_the_policy_from_policy_kwargs_and_applies_it() -> None:
     assert policy.max_decode_per_prefill == 2.0
     wrapped = _apply_app_level_autoscaling_config(policy)
     contexts = {
-        PREFILL: context(PREFILL, 1, 8, engine_metrics([8], [0], [0.1], [0.1])),
-        DECODE: context(DECODE, 1, 40, engine_metrics([40], [0], [0.5], [0.0])),
+        PREFILL: context(PREFILL, 3, 8, engine_metrics([8], [0], [0.1], [0.1])),
+        DECODE: context(DECODE, 3, 40, engine_metrics([40], [0], [0.5], [0.0])),
     }
     decisions, _ = wrapped(contexts)
-    # decode ceil(40 / 8) = 5; at most 2 decode per prefill -> prefill ceil(5 / 2) = 3.
+    # decode ceil(40 / 8) = 5; at most 2 decode per prefill -> prefill ceil(5 / 2) = 3 (its
+    # target already), and 5 decode is within 2 per prefill of that target.
     assert decisions == {PREFILL: 3, DECODE: 5}
     assert all(isinstance(v, int) for v in decisions.values())
 
