@@ -196,51 +196,66 @@ def is_error_body(data: Any) -> bool:
     return isinstance(error, dict) and isinstance(error.get("message"), str) and "type" in error
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """One of the four outcomes above and what the client saw when it was not COMPLETED (the
+    error body or event, the exception, the last events): a failing case prints them."""
+
+    kind: str
+    detail: str = ""
+
+
 def outcome(
     base: str, call: Call, deadline_s: float, streaming: threading.Event | None = None
-) -> str:
-    """What the client got for ``call`` (one of the four outcomes above). ``streaming`` is set
-    when a stream's first event arrives (an engine is working on it)."""
+) -> Outcome:
+    """What the client got for ``call``. ``streaming`` is set when a stream's first event
+    arrives (an engine is working on it)."""
     try:
         if call.body.get("stream"):
             return _stream_outcome(base, call, deadline_s, streaming)
         response = httpx.post(base + call.path, json=call.body, timeout=deadline_s)
-    except httpx.TimeoutException:
-        return HUNG
-    except httpx.TransportError:
-        return UNCLEAN
+    except httpx.TimeoutException as e:
+        return Outcome(HUNG, repr(e))
+    except httpx.TransportError as e:
+        return Outcome(UNCLEAN, repr(e))
     try:
         data = response.json()
     except ValueError:
-        return UNCLEAN
+        return Outcome(UNCLEAN, f"{response.status_code}: {response.text[:300]!r}")
     if response.status_code == 200:
-        return COMPLETED
-    return FAILED_CLEANLY if is_error_body(data) else UNCLEAN
+        return Outcome(COMPLETED)
+    kind = FAILED_CLEANLY if is_error_body(data) else UNCLEAN
+    return Outcome(kind, f"{response.status_code}: {json.dumps(data)[:300]}")
 
 
 def _stream_outcome(
     base: str, call: Call, deadline_s: float, streaming: threading.Event | None
-) -> str:
+) -> Outcome:
     events: list[str] = []
     stop = time.monotonic() + deadline_s
+
+    def seen() -> str:
+        return f"{len(events)} events, the last: {' | '.join(events[-3:])[:400]}"
+
     try:
         with httpx.stream("POST", base + call.path, json=call.body, timeout=deadline_s) as reply:
             if reply.status_code != 200:
                 reply.read()
-                return FAILED_CLEANLY if is_error_body(reply.json()) else UNCLEAN
+                kind = FAILED_CLEANLY if is_error_body(reply.json()) else UNCLEAN
+                return Outcome(kind, f"{reply.status_code}: {reply.text[:300]}")
             for line in reply.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if streaming is not None:
                         streaming.set()
                 if time.monotonic() > stop:
-                    return HUNG
-    except httpx.TimeoutException:
-        return HUNG
-    except (httpx.TransportError, ValueError):
-        return UNCLEAN
+                    return Outcome(HUNG, seen())
+    except httpx.TimeoutException as e:
+        return Outcome(HUNG, f"{e!r}; {seen()}")
+    except (httpx.TransportError, ValueError) as e:
+        return Outcome(UNCLEAN, f"{e!r}; {seen()}")
     if not events or events[-1] != "[DONE]":
-        return UNCLEAN
+        return Outcome(UNCLEAN, f"no [DONE]; {seen()}")
     errors = [e for e in events[:-1] if is_error_body(json.loads(e))]
     if not errors:
         if call.texts is not None:
@@ -251,8 +266,8 @@ def _stream_outcome(
                     by_index[index] = by_index.get(index, "") + choice.get("text", "")
             texts = tuple(by_index[i] for i in sorted(by_index))
             call.texts.append(texts[0] if len(texts) == 1 else texts)
-        return COMPLETED
-    return FAILED_CLEANLY if errors == [events[-2]] else UNCLEAN
+        return Outcome(COMPLETED)
+    return Outcome(FAILED_CLEANLY if errors == [events[-2]] else UNCLEAN, seen())
 
 
 # -- cases ------------------------------------------------------------------------------------
@@ -287,6 +302,8 @@ class ChaosReport:
     busy_at_kill: bool
     counts: dict[str, int] = field(default_factory=dict)
     migrated: int | None = None  # None: the deployment does not migrate requests
+    # What the client saw for each request that did not complete (Outcome.detail).
+    not_completed: list[str] = field(default_factory=list)
     served_again_s: float | None = None
     replaced_s: float | None = None
     baseline_s: float | None = None
@@ -376,9 +393,9 @@ def run_case(
         report.replacement.start()
         report.served_again_s = _served_again(base, case.probe, killed_at, case.request_deadline_s)
         results = [f.result() for f in futures]
-    report.counts = {
-        kind: results.count(kind) for kind in (COMPLETED, FAILED_CLEANLY, UNCLEAN, HUNG)
-    }
+    kinds = [result.kind for result in results]
+    report.counts = {kind: kinds.count(kind) for kind in (COMPLETED, FAILED_CLEANLY, UNCLEAN, HUNG)}
+    report.not_completed = [f"{r.kind}: {r.detail}" for r in results if r.kind != COMPLETED]
     report.baseline_s = wait_baseline(app, dead={victim["replica_id"]})
     if case.migrations:
         report.migrated = case.migrations(app) - migrated_before
@@ -422,7 +439,7 @@ def _pick_victim(
 def _served_again(base: str, probe: Call, since: float, deadline_s: float) -> float | None:
     """Seconds from ``since`` until ``probe`` completes (None: not within ``deadline_s``)."""
     while time.monotonic() - since < deadline_s:
-        if outcome(base, probe, deadline_s) == COMPLETED:
+        if outcome(base, probe, deadline_s).kind == COMPLETED:
             return time.monotonic() - since
         time.sleep(0.2)
     return None
