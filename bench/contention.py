@@ -31,11 +31,10 @@ import threading
 import time
 from pathlib import Path
 
-from threads import cpu_model, uptime
+from threads import PROMPT, cpu_model, uptime
 
 from neuron_runtime import LLM, SamplingParams
 
-PROMPT = "Write a short story about a lighthouse keeper number {i} and the sea."
 BURST_S = 0.0005  # one burst of the competitor: about an SSE chunk's work in the serving path
 
 
@@ -47,10 +46,6 @@ def burn(share: float, stop: threading.Event) -> None:
         while time.perf_counter() - start < BURST_S:
             sum(range(100))
         time.sleep(max(0.0, period - BURST_S))
-
-
-def _burn_in_child(share: float, stop: threading.Event) -> None:
-    burn(share, stop)
 
 
 class Competitor:
@@ -70,7 +65,7 @@ class Competitor:
             # workers), with nothing to import first.
             context = multiprocessing.get_context("fork")
             self.stop = context.Event()  # type: ignore[assignment]
-            self.runner = context.Process(target=_burn_in_child, args=(self.share, self.stop))
+            self.runner = context.Process(target=burn, args=(self.share, self.stop))
         if self.runner is not None:
             self.runner.start()
         return self
