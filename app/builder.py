@@ -72,6 +72,14 @@ class DisaggregationArgs(BaseModel):
     # (LIBFABRIC, EFA), whole over UCX, whose copies take a core the step would compute on.
     kv_read_layer_wise: bool | None = None
     kv_hold_timeout_s: float = Field(30.0, gt=0)
+    # nixl: the router opens the decode call before the prefill call, and the prefill replica
+    # sends the handoff to that decode replica itself (a NIXL notification) rather than back
+    # through the router, which takes the handoff off the second token's path. False: the
+    # handoff returns to the router, which then opens the decode call (a Ray hop more).
+    kv_decode_first: bool = True
+    # A decode call opened first waits this long for its prefill (queueing included) to
+    # deliver the handoff, then fails the request.
+    kv_delivery_timeout_s: float = Field(600.0, gt=0)
 
     # A decode replica waits this long for a prefilled request's KV, then applies the policy:
     # "recompute" runs the prompt on the decode replica, "fail" ends the request with an error.
@@ -531,6 +539,7 @@ def _disaggregated(
             pd.on_kv_failure,
             transport,
             tracing_config=args.tracing.model_dump(),
+            kv_delivery_timeout_s=pd.kv_delivery_timeout_s,
         )
     )
     encoder = None
@@ -564,6 +573,7 @@ def _disaggregated(
             args.step_channels,
             tracing_config=args.tracing.model_dump(),
             max_migrations=args.max_migrations,
+            decode_first=pd.kv_transport == "nixl" and pd.kv_decode_first,
         )
     )
 

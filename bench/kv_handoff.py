@@ -21,7 +21,8 @@ heads x 64, 720 KiB of KV per 16-token block):
    payload's import and the first step; nixl-whole: the same read waited for whole before
    the first step (no overlap). ``vs colocated`` is total / the colocated step.
 3. End to end, the colocated app and the disaggregated app over each transport, loaded in
-   turn (A B C A B C ...): TTFT, TPOT and the second token's latency, p50 / p99.
+   turn (A B C A B C ...): TTFT, TPOT and the second token's latency, p50 / p99, and each
+   app's second token p50 over the colocated app's TPOT p50 (``--apps`` picks apps).
 
     python bench/kv_handoff.py --prompt-lens 128,1024,4096 --requests 4 --output-len 16
     python bench/kv_handoff.py --parts components,second     # without the Serve apps
@@ -50,11 +51,16 @@ MODEL = "smollm2-135m-instruct"
 # The second token's paths: nixl-whole is a NIXL read the request waits for whole before its
 # first step (no layer-wise overlap), for comparison.
 SECOND = ("nixl", "nixl-whole", "object_store")
+# The end-to-end apps: mode, transport, layer-wise reads (None: by backend), decode first.
 APPS = {
-    "colocated": ("colocated", "object_store", None),
-    "pd-object_store": ("disaggregated", "object_store", None),
-    "pd-nixl": ("disaggregated", "nixl", None),  # over UCX: whole reads (the default)
-    "pd-nixl-layer-wise": ("disaggregated", "nixl", True),
+    "colocated": ("colocated", "object_store", None, False),
+    "pd-object_store": ("disaggregated", "object_store", None, False),
+    # The default: decode call opened first, the handoff delivered to it by the prefill
+    # replica; over UCX, whole reads.
+    "pd-nixl": ("disaggregated", "nixl", None, True),
+    # The handoff back through the router, which then opens the decode call.
+    "pd-nixl-via-router": ("disaggregated", "nixl", None, False),
+    "pd-nixl-layer-wise": ("disaggregated", "nixl", True, True),
 }
 
 
@@ -365,14 +371,21 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
     small = {"ray_actor_options": {"num_cpus": 0.1}}
     engine_args = {"num_kv_blocks": -(-max(lengths) // 16) * 2 + 16, "enable_prefix_caching": False}
     urls = {}
-    for name, (mode, transport, layer_wise) in APPS.items():
+    apps = args.apps.split(",")
+    unknown = set(apps) - set(APPS)
+    if unknown or "colocated" not in apps:
+        raise SystemExit(f"--apps: choose from {sorted(APPS)}, colocated included")
+    for name in apps:
+        mode, transport, layer_wise, decode_first = APPS[name]
         build = BuildArgs(
             mode=mode,
             max_model_len=max(lengths) + args.output_len + 16,
             embedding_model=None,
             engine_args=engine_args,
             disaggregation=DisaggregationArgs(
-                kv_transport=transport, kv_read_layer_wise=layer_wise
+                kv_transport=transport,
+                kv_read_layer_wise=layer_wise,
+                kv_decode_first=decode_first,
             ),
         )
         app = build_openai_app(
@@ -390,16 +403,16 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
     async def load() -> None:
         async with httpx.AsyncClient(timeout=600) as client:
             for length in lengths:
-                results: dict[str, list] = {name: [] for name in APPS}
+                results: dict[str, list] = {name: [] for name in apps}
                 prompts = [random_prompt(rng, length) for _ in range(args.requests)]
-                for name in APPS:  # warm-up: connections, first transfers
+                for name in apps:  # warm-up: connections, first transfers
                     await http_request(client, urls[name], MODEL, prompts[0][:32], 4)
                 for prompt in prompts:
-                    for name in APPS:
+                    for name in apps:
                         results[name].append(
                             await http_request(client, urls[name], MODEL, prompt, args.output_len)
                         )
-                for name in APPS:
+                for name in apps:
                     done = results[name]
                     summary = summarize(done, 1.0, {})
                     second = [r.itl[0] for r in done if r.ok and r.itl]
@@ -409,9 +422,16 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
                     }
                     rows[f"{length}/{name}"] = summary
                     print_e2e(length, name, summary)
+                tpot = rows[f"{length}/colocated"]["tpot"]["p50_ms"]
+                ratios = []
+                for name in apps:
+                    second = rows[f"{length}/{name}"]["second_token"]["p50_ms"]
+                    if tpot and second is not None:
+                        ratios.append(f"{name} {second / tpot:.2f}x")
+                print(f"{length:>5} tok 2nd token p50 / colocated TPOT p50: " + ", ".join(ratios))
 
     asyncio.run(load())
-    for name in APPS:
+    for name in apps:
         serve.delete(name)
     return rows
 
@@ -438,6 +458,7 @@ def main() -> None:
         "--threads", type=int, default=1, help="CPU kernel threads of each actor's engine"
     )
     parser.add_argument("--parts", default="components,second,e2e")
+    parser.add_argument("--apps", default=",".join(APPS), help="end-to-end apps, in turn")
     parser.add_argument("--json", default="bench/results/kv_handoff.json")
     args = parser.parse_args()
     lengths = [int(x) for x in args.prompt_lens.split(",")]

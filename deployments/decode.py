@@ -7,6 +7,10 @@ blocks and reads the prefill blocks straight into them before the request runs) 
 against its model and the prompt, then continues the request in its running batch, streaming
 token ids. A transfer that fails or times out follows ``on_kv_failure``: "recompute" (run the
 prompt here) or "fail" (end the request with an error).
+
+A call opened before its prefill (``DecodeRequest.await_handoff``, NIXL) first streams where
+the prefill replica is to deliver the handoff, then waits for it (``kv_delivery_timeout_s``
+at most: the prompt's prefill, queueing included, runs meanwhile) and goes on as above.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
@@ -51,9 +56,11 @@ class DecodeServer(EngineReplica):
         on_kv_failure: Literal["recompute", "fail"] = "recompute",
         kv_transport: KVTransportConfig | None = None,
         tracing_config: dict[str, Any] | None = None,
+        kv_delivery_timeout_s: float = 600.0,
     ) -> None:
         super().__init__(engine_args, engine_cls, stall_timeout_s, tracing_config)
         self.kv_fetch_timeout_s = kv_fetch_timeout_s
+        self.kv_delivery_timeout_s = kv_delivery_timeout_s
         self.on_kv_failure = on_kv_failure
         self.transport = make_transport(kv_transport or KVTransportConfig())
         self.transport.attach(self.engine.engine, self.engine.abort)
@@ -68,6 +75,20 @@ class DecodeServer(EngineReplica):
             yield step
 
     async def _steps(self, request: DecodeRequest) -> AsyncGenerator[StepOutput, None]:
+        if request.await_handoff:
+            key = f"{request.request_id}@{uuid.uuid4().hex[:12]}"
+            destination = self.transport.expect(key)
+            try:
+                yield StepOutput([], len(request.prompt_token_ids), kv_destination=destination)
+                handoff = await self.transport.wait(key, self.kv_delivery_timeout_s)
+            except TimeoutError as exc:
+                raise KVFetchError(
+                    f"no prefill replica delivered the prompt's KV within "
+                    f"{self.kv_delivery_timeout_s} s"
+                ) from exc
+            finally:
+                self.transport.forget(key)
+            request = dataclasses.replace(request, handoff=handoff, await_handoff=False)
         start = time.perf_counter()
         kv, transfer = await self._receive(request)
         attributes = {"neuron_serve.replica": self.replica_id}

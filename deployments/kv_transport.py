@@ -16,6 +16,11 @@ chosen by name in the config (``DisaggregationArgs.kv_transport``):
 
 Either way the prefill replica never holds a handed-off prompt's blocks longer than
 ``hold_timeout_s``.
+
+NIXL can also deliver: the PD router opens the decode call first, the decode replica
+``expect``s the handoff under a key and names its ``destination``, and the prefill replica
+``deliver``s the exported handoff there itself (a NIXL notification), so the handoff does not
+travel prefill -> router -> decode on the second token's path.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any, Literal
 
 import ray
 
+from deployments.protocol import KVDestination
 from neuron_runtime.engine import LLMEngine
 from neuron_runtime.kv_transfer import KVHandoff, KVImport, KVPayload
 
@@ -94,6 +100,30 @@ class KVTransport(ABC):
     def num_held(self) -> int:
         """Handed-off prompts whose blocks this (prefill) replica holds for a decode replica."""
         return 0
+
+    # -- delivery: the prefill replica sends the handoff to a decode replica waiting for it --
+
+    def expect(self, key: str) -> KVDestination:
+        """Decode side (the replica's event loop): where a prefill replica is to deliver a
+        handoff for this replica under ``key``; ``forget(key)`` once the caller stops
+        waiting for it."""
+        raise KVTransportError(f"the {self.name} transport does not deliver handoffs")
+
+    async def wait(self, key: str, timeout_s: float) -> KVHandoff:
+        """Decode side: the handoff delivered under ``key``, within ``timeout_s``
+        (TimeoutError)."""
+        raise KVTransportError(f"the {self.name} transport does not deliver handoffs")
+
+    def forget(self, key: str) -> None:
+        """Decode side: stops waiting under ``key`` (a no-op once ``wait`` returned it); a
+        handoff delivered and not taken, or delivered later, is declined, which frees its
+        blocks on the prefill replica."""
+        return None
+
+    async def deliver(self, handoff: KVHandoff, destination: KVDestination) -> None:
+        """Prefill side: sends an exported handoff to the decode replica waiting for it;
+        KVTransportError if it cannot (the handoff is then still this replica's to return)."""
+        raise KVTransportError(f"the {self.name} transport does not deliver handoffs")
 
     def close(self) -> None:
         """Releases agents and tasks; the replica is going away."""

@@ -40,6 +40,23 @@ request's first step is faster. So reads are layer-wise by default where the fab
 bytes (LIBFABRIC: EFA's RDMA) and whole over UCX, whose copies here take a core
 (``layer_wise`` overrides either way). The engine's thread never copies.
 
+Delivery (the default in the PD app): the router opens the decode call before the prefill
+call. The decode replica ``expect``s the handoff under a key and streams its destination (its
+agent and that key) back at once; the router sends the prefill call with it; the prefill
+replica exports as above, then sends the handoff itself (this agent's info and the ticket) to
+the decode agent as a NIXL notification, loading that agent once. The decode replica's watch
+of its notifications hands it to the waiting call, which reads as above. So the handoff does
+not travel prefill -> router -> decode on the second token's path: the first token goes out
+through the router while the decode replica already reads. A handoff that arrives for a call
+no longer waiting (the client left, the call timed out) is declined: a notification back
+frees its blocks on the prefill replica at once.
+
+    router: decode.generate(await_handoff) -> first step: destination(agent, key)
+            prefill.prefill(kv_destination)
+    prefill replica: export, then notification "handoff" + (key, handoff) ---> decode agent
+    decode replica: the waiting call takes it, reads the blocks, steps; first token already
+                    on its way to the client through the router
+
 The prefill replica frees the blocks on that notification or ``hold_timeout_s`` after the
 export, whichever comes first; the decode side gives up a read that has not completed a
 margin before that expiry (its data is then never used: the prompt is recomputed or the
@@ -53,6 +70,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import pickle
 import queue
 import threading
 import time
@@ -67,6 +85,7 @@ import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from deployments.kv_transport import KVTransport, KVTransportError
+from deployments.protocol import KVDestination
 from neuron_runtime.kv_layout import (
     KVLayout,
     cache_layout,
@@ -99,6 +118,11 @@ FABRIC_BACKENDS = ("LIBFABRIC",)
 JOIN_WAIT_S = 0.25
 # Prefill agents a decode replica keeps loaded (the least recently used is dropped).
 MAX_PEERS = 64
+# A notification that delivers a handoff (others name a handoff whose blocks may be freed).
+DELIVERY = b"\x00handoff\x00"
+# How long a decode replica keeps watching for deliveries after its last waiting call went:
+# one that comes later is declined, freeing the prefill blocks before their hold timeout.
+LINGER_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -116,7 +140,8 @@ class NixlTicket:
     """Where a handed-off prompt's blocks are: which agent, and until when."""
 
     agent_name: str
-    agent_info: Any  # ray.ObjectRef of the prefill agent's NixlAgentInfo
+    # The prefill agent's NixlAgentInfo: a ray.ObjectRef of it, or (delivered) the info itself.
+    agent_info: Any
     expires_at: float  # time.time() at which the prefill replica frees the blocks
     transport: str = "nixl"
 
@@ -183,11 +208,15 @@ class NixlTransport(KVTransport):
         self.layer_wise = backend in FABRIC_BACKENDS if layer_wise is None else layer_wise
         self.publish = publish
         self.agent: Any = None
+        self.info: NixlAgentInfo | None = None
         self.info_ref: Any = None
         self.layout: KVLayout | None = None
         self._addresses: tuple[int, ...] = ()
         self._held: dict[str, float] = {}  # handoff id -> expiry (prefill side)
-        self._notify_task: asyncio.Task | None = None
+        self._inbox: dict[str, asyncio.Future[KVHandoff]] = {}  # key -> delivery (decode side)
+        self._watch_until = 0.0  # time.monotonic(): watch for deliveries until then at least
+        self._watch_task: asyncio.Task | None = None
+        self._declines: set[asyncio.Task] = set()
         self._peers: OrderedDict[str, _PeerLink] = OrderedDict()  # decode side
         self._retired: dict[str, _PeerLink] = {}  # dropped, with reads still using them
         self._peers_lock = threading.Lock()
@@ -203,7 +232,7 @@ class NixlTransport(KVTransport):
         # No progress thread: NIXL's polls without pause and takes a whole core per replica
         # (two of this box's two with a prefill and a decode replica). Reads progress where
         # they are polled (the decode engine's step), notifications where they are collected
-        # (_watch_holds on the prefill replica).
+        # (_watch_notifications).
         config = nixl_agent_config(
             enable_prog_thread=False,
             backends=[self.backend],
@@ -234,7 +263,9 @@ class NixlTransport(KVTransport):
         self._local_dlist = agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", cache_cells(self._addresses, self.layout), "DRAM"
         )
-        info = NixlAgentInfo(name, agent.get_agent_metadata(), self._addresses, self.layout)
+        info = self.info = NixlAgentInfo(
+            name, agent.get_agent_metadata(), self._addresses, self.layout
+        )
         if self.publish is None:
             import ray
 
@@ -247,20 +278,54 @@ class NixlTransport(KVTransport):
     def export(self, handoff: KVHandoff) -> KVHandoff:
         expires_at = time.time() + self.hold_timeout_s
         self._held[handoff.handoff_id] = expires_at
-        if self._notify_task is None or self._notify_task.done():
-            self._notify_task = asyncio.get_running_loop().create_task(self._watch_holds())
+        self._watch()
         ticket = NixlTicket(self.agent.name, self.info_ref, expires_at)
         return dataclasses.replace(handoff, ticket=ticket)
 
     def num_held(self) -> int:
         return len(self._held)
 
-    async def _watch_holds(self) -> None:
-        """Frees held blocks on each completion notification, or at expiry."""
-        while self._held:
+    async def deliver(self, handoff: KVHandoff, destination: KVDestination) -> None:
+        """Sends an exported handoff, with this agent's info in its ticket, to the decode
+        agent waiting for it (loaded once): one notification."""
+        ticket = handoff.ticket
+        assert isinstance(ticket, NixlTicket) and self.info is not None
+        try:
+            link = await self._peer(
+                destination.agent_name, destination.agent_info, ticket.expires_at - EXPIRY_MARGIN_S
+            )
+        except asyncio.CancelledError:
+            self._free(handoff.handoff_id)  # never sent, and the caller is gone
+            raise
+        except Exception as exc:  # noqa: BLE001 - its owner died, late, unreachable
+            raise KVTransportError(
+                f"decode agent {destination.agent_name} cannot be reached: {exc!r}"
+            ) from exc
+        try:
+            own = dataclasses.replace(ticket, agent_info=self.info)
+            sent = dataclasses.replace(handoff, ticket=own)
+            self.agent.send_notif(link.name, DELIVERY + pickle.dumps((destination.key, sent)))
+        except Exception as exc:  # noqa: BLE001 - nixl raises its own backend errors
+            self.forget_peer(link.name)
+            raise KVTransportError(f"the handoff could not be sent to {link.name}: {exc}") from exc
+        finally:
+            self.unuse(link)
+
+    def _watch(self) -> None:
+        """Starts the watch of this agent's notifications unless it runs."""
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch_notifications())
+
+    async def _watch_notifications(self) -> None:
+        """Prefill side: frees held blocks on each completion notification, or at expiry.
+        Decode side: hands each delivered handoff to the call waiting for it, or declines it."""
+        while self._held or self._inbox or time.monotonic() < self._watch_until:
             for messages in self.agent.get_new_notifs().values():
                 for message in messages:
-                    self._free(message.decode())
+                    if message.startswith(DELIVERY):
+                        self._arrived(message[len(DELIVERY) :])
+                    else:
+                        self._free(message.decode())
             now = time.time()
             for handoff_id in [h for h, expiry in self._held.items() if expiry <= now]:
                 logger.warning("KV of %s was not read in time: freeing its blocks", handoff_id)
@@ -273,6 +338,50 @@ class NixlTransport(KVTransport):
 
     # -- decode side -------------------------------------------------------------------------
 
+    def expect(self, key: str) -> KVDestination:
+        if key in self._inbox:
+            raise ValueError(f"a handoff is already expected under {key!r}")
+        self._inbox[key] = asyncio.get_running_loop().create_future()
+        self._watch()
+        return KVDestination(self.agent.name, self.info_ref, key)
+
+    async def wait(self, key: str, timeout_s: float) -> KVHandoff:
+        handoff = await asyncio.wait_for(asyncio.shield(self._inbox[key]), timeout_s)
+        del self._inbox[key]
+        return handoff
+
+    def forget(self, key: str) -> None:
+        arrival = self._inbox.pop(key, None)
+        if arrival is None:
+            return
+        self._watch_until = time.monotonic() + LINGER_S
+        if arrival.done():
+            self._decline(arrival.result())
+        else:
+            arrival.cancel()
+
+    def _arrived(self, data: bytes) -> None:
+        key, handoff = pickle.loads(data)
+        arrival = self._inbox.get(key)
+        if arrival is None or arrival.done():
+            self._decline(handoff)
+        else:
+            arrival.set_result(handoff)
+
+    def _decline(self, handoff: KVHandoff) -> None:
+        """Tells the prefill replica that a delivered handoff will not be read."""
+
+        async def decline() -> None:
+            ticket = handoff.ticket
+            with contextlib.suppress(Exception):  # else its hold timeout frees the blocks
+                link = await self._peer(ticket.agent_name, ticket.agent_info, ticket.expires_at)
+                self.notify(link, handoff.handoff_id)
+                self.unuse(link)
+
+        task = asyncio.get_running_loop().create_task(decline())
+        self._declines.add(task)
+        task.add_done_callback(self._declines.discard)
+
     async def receive(self, handoff: KVHandoff, timeout_s: float) -> KVImport:
         ticket = handoff.ticket
         if not isinstance(ticket, NixlTicket):
@@ -281,7 +390,7 @@ class NixlTransport(KVTransport):
         deadline = min(time.time() + timeout_s, ticket.expires_at - EXPIRY_MARGIN_S)
         if time.time() >= deadline:
             raise KVTransportError(f"the KV of {handoff.handoff_id} expires too soon to read")
-        link = await self._peer(ticket, deadline)
+        link = await self._peer(ticket.agent_name, ticket.agent_info, deadline)
         mismatch = self.layout.mismatch(handoff.layout)
         if mismatch is None:
             return NixlBlockRead(self, link, handoff, deadline)  # the read holds the link
@@ -295,18 +404,21 @@ class NixlTransport(KVTransport):
         finally:
             self.unuse(link)
 
-    async def _peer(self, ticket: NixlTicket, deadline: float) -> _PeerLink:
-        """The ticket's agent, loaded (once) and counted as used until ``unuse``."""
+    async def _peer(self, name: str, agent_info: Any, deadline: float) -> _PeerLink:
+        """The agent ``name``, loaded (once, from ``agent_info``: its NixlAgentInfo or an
+        ObjectRef of it) and counted as used until ``unuse``."""
         with self._peers_lock:
-            link = self._peers.get(ticket.agent_name) or self._retired.pop(ticket.agent_name, None)
+            link = self._peers.get(name) or self._retired.pop(name, None)
             if link is not None:
                 link.retired = False
                 self._peers[link.name] = link
                 self._peers.move_to_end(link.name)
                 link.users += 1
                 return link
-        info = await asyncio.wait_for(ticket.agent_info, max(0.0, deadline - time.time()))
-        assert isinstance(info, NixlAgentInfo) and info.name == ticket.agent_name
+        info = agent_info
+        if not isinstance(info, NixlAgentInfo):
+            info = await asyncio.wait_for(agent_info, max(0.0, deadline - time.time()))
+        assert isinstance(info, NixlAgentInfo) and info.name == name
         with self._peers_lock:
             link = self._peers.get(info.name)
             if link is not None:  # loaded meanwhile by another request
@@ -424,8 +536,8 @@ class NixlTransport(KVTransport):
 
     def close(self) -> None:
         self.reader.close()
-        if self._notify_task is not None:
-            self._notify_task.cancel()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         if self.agent is not None:
             with self._peers_lock:
                 for link in [*self._peers.values(), *self._retired.values()]:

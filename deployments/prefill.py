@@ -7,10 +7,15 @@ hold: with NIXL the blocks are freed when the decode replica's READ completes (a
 notification) or ``hold_timeout_s`` after the export, whichever comes first; with the object
 store they are copied out and freed at once. If this replica dies the KV is lost and the
 decode side falls back to its policy (recompute or fail).
+
+A request that names a ``kv_destination`` (a decode replica already waiting for it) has its
+handoff delivered there by this replica after the export; the result then says so, and the
+router does not pass the handoff on. A delivery that fails leaves the handoff to the router.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -21,6 +26,8 @@ from deployments.kv_transport import KVTransportConfig, make_transport
 from deployments.protocol import GenerateRequest, KVTransferInfo, PrefillResult
 from neuron_runtime import RequestOutputKind, SamplingParams, tracing
 from neuron_runtime.accuracy.online import OnlineValidationConfig
+
+logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(
@@ -81,13 +88,25 @@ class PrefillServer(EngineReplica):
             self.engine.abort(handoff.handoff_id)
             trace.end("the KV export failed")
             raise
+        delivered = False
+        if request.kv_destination is not None:
+            try:
+                await self.transport.deliver(handoff, request.kv_destination)
+                delivered = True
+            except Exception as exc:  # noqa: BLE001 - the router passes the handoff on instead
+                logger.warning(
+                    "KV of %s not delivered to %s (%r): returning it to the router",
+                    request.request_id,
+                    request.kv_destination.agent_name,
+                    exc,
+                )
         step.kv_transfer = KVTransferInfo(
             self.transport.name, "export", handoff.num_kv_bytes, time.perf_counter() - start
         )
         trace.kv("kv.export", step.kv_transfer, start)
         step.stats = self.stats()
         trace.end()
-        return PrefillResult(step, handoff, replica_id=self.replica_id)
+        return PrefillResult(step, handoff, replica_id=self.replica_id, delivered=delivered)
 
     def stats(self) -> dict[str, Any]:
         """The engine's load, and the handed-off prompts whose blocks are held for decode."""

@@ -55,6 +55,18 @@ class EncodeResult:
     replica_id: str = ""
 
 
+@dataclass(frozen=True)
+class KVDestination:
+    """A decode replica waiting for a prefilled request's handoff (the PD router opened that
+    decode call before the prefill call): the prefill replica sends the handoff there itself,
+    as a NIXL notification to ``agent_name`` under ``key``, instead of returning it through
+    the router (deployments/nixl_transport.py)."""
+
+    agent_name: str
+    agent_info: ObjectRef  # the decode agent's NixlAgentInfo, loaded once per prefill replica
+    key: str
+
+
 @dataclass
 class GenerateRequest:
     """A tokenized prompt and its SamplingParams fields (vLLM names)."""
@@ -69,6 +81,8 @@ class GenerateRequest:
     # A migrated request (router/migration.py): the tokens its lost replica already produced
     # and streamed. The engine recomputes them, counts them as output and goes on after them.
     resume_token_ids: list[int] = field(default_factory=list)
+    # Prefill role: the decode replica waiting for this request's handoff (None: return it).
+    kv_destination: KVDestination | None = None
 
 
 @dataclass
@@ -112,6 +126,9 @@ class StepOutput:
     channel: str | None = None
     # The first step after the request resumed on another replica (router/migration.py).
     migrated: bool = False
+    # A decode call opened before its prefill (DecodeRequest.await_handoff): its first step,
+    # with no tokens, says where the prefill replica is to deliver the handoff.
+    kv_destination: KVDestination | None = None
 
 
 @dataclass
@@ -136,6 +153,8 @@ class PrefillResult:
     step: StepOutput
     handoff: KVHandoff | None = None
     replica_id: str = ""
+    # The handoff went to the request's ``kv_destination`` (else the router passes it on).
+    delivered: bool = False
 
 
 @dataclass
@@ -156,6 +175,7 @@ class DecodeRequest:
     trace_context: dict[str, str] | None = None
     # Without a handoff: the tokens already produced and streamed (as in GenerateRequest).
     resume_token_ids: list[int] = field(default_factory=list)
+    await_handoff: bool = False
 
 
 @dataclass

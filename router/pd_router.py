@@ -9,8 +9,15 @@ colocated or split. Per request:
                                             -> the other tokens      -> streamed
 
 The first token goes to the client before the KV moves, so the handoff adds to the second
-token's latency, not to TTFT. ``n > 1`` is split into n single-sequence pipelines (child i
-gets seed + i, as in the engine) whose streams are merged.
+token's latency, not to TTFT. With ``decode_first`` (NIXL) the decode call is opened before
+the prefill call: the decode replica answers at once with where to deliver the handoff, the
+prefill replica delivers it there itself (deployments/nixl_transport.py) and returns the
+first token, and the decode replica reads the KV while that token travels out through here:
+the handoff never waits for this router on the second token's path. A decode call that
+cannot be opened, or a delivery that fails, falls back to passing the handoff on.
+
+``n > 1`` is split into n single-sequence pipelines (child i gets seed + i, as in the engine)
+whose streams are merged.
 
 Tokens after the first travel over step channels (deployments/step_channel.py) on both hops:
 from each decode replica to this router, one message per engine step for all of this
@@ -36,6 +43,7 @@ from deployments.protocol import (
     ChannelRequest,
     DecodeRequest,
     GenerateRequest,
+    KVDestination,
     PrefillResult,
     StepOutput,
 )
@@ -73,6 +81,7 @@ class PDRouter:
         step_channels: bool = True,
         tracing_config: dict[str, Any] | None = None,
         max_migrations: int = MAX_MIGRATIONS,
+        decode_first: bool = False,
     ) -> None:
         tracing.configure(tracing_config, "router")
         self.prefill = prefill
@@ -86,6 +95,8 @@ class PDRouter:
         self.num_kv_refs_held = 0
         self.max_migrations = max_migrations
         self.num_migrations = 0  # requests resumed after their decode replica was lost
+        self.decode_first = decode_first
+        self.num_handoffs_delivered = 0  # handoffs the prefill replica sent to decode itself
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except (RuntimeError, RayServeException):  # constructed outside a replica (unit tests)
@@ -147,32 +158,43 @@ class PDRouter:
         it here when the router serving it was lost): it goes straight to a decode replica,
         which recomputes prompt + those tokens, as a migrated decode does.
         """
-        decode_request = None
         opening: asyncio.Task[AsyncGenerator[StepOutput, None]] | None = None
+        waiting: Followed | None = None  # the decode call the prefill replica delivered to
         tokens = list(request.resume_token_ids)
         if not tokens:
-            result = await self._prefill(request)
+            result, waiting = await self._prefill(request)
             self._note(result.step.stats)
             if result.handoff is None:
                 yield result.step
                 return  # the request ended on its first token
-            decode_request = DecodeRequest(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                # The prompt's logprobs came with the prefill output; decode does not redo them.
-                sampling=resume_sampling(request.sampling),
-                handoff=result.handoff,
-                images=request.images,
-                trace_context=request.trace_context,
-            )
-            # The decode call goes out before the first token is passed on: the decode
-            # replica reads the KV while that token travels to the client.
-            opening = asyncio.ensure_future(self._open_decode(decode_request))
+            if waiting is None:
+                decode_request = DecodeRequest(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    # The prompt's logprobs came with the prefill output; decode does not
+                    # redo them.
+                    sampling=resume_sampling(request.sampling),
+                    handoff=result.handoff,
+                    images=request.images,
+                    trace_context=request.trace_context,
+                )
+                # The decode call goes out before the first token is passed on: the decode
+                # replica reads the KV while that token travels to the client.
+                opening = asyncio.ensure_future(self._open_decode(decode_request))
+                # Refs in the ticket (the object store's KV, NIXL's agent info): Ray keeps
+                # them alive until the decode call ends.
+                del decode_request
+            else:
+                self.num_handoffs_delivered += 1
             tokens = [t for delta in result.step.seqs for t in delta.token_ids]
             try:
                 yield result.step
             except BaseException:  # the caller left after the first token
-                await _close_opening(opening)
+                if waiting is not None:
+                    waiting.cancel()
+                else:
+                    assert opening is not None
+                    await _close_opening(opening)
                 raise
             del result
         # A decode replica lost mid-stream: the request resumes on another one, which
@@ -197,8 +219,11 @@ class PDRouter:
 
         self.num_kv_refs_held += 1
         try:
+            first_steps: AsyncIterator[StepOutput]
             try:
-                if opening is None:
+                if waiting is not None:
+                    first_steps = self._followed(None, waiting)
+                elif opening is None:
                     first_steps = await reopen(tokens, 0)
                 else:
                     first_steps = await opening
@@ -206,9 +231,6 @@ class PDRouter:
                 if not is_replica_lost(exc):
                     raise
                 first_steps = raising(exc)
-            # Refs in the ticket (the object store's KV, NIXL's agent info): Ray keeps them
-            # alive until the decode call ends.
-            del decode_request
             migrating = Migrating(
                 first_steps,
                 reopen,
@@ -225,6 +247,11 @@ class PDRouter:
 
     async def _open_decode(self, request: DecodeRequest) -> AsyncGenerator[StepOutput, None]:
         """Submits a decode call and waits for its first step; the call's steps."""
+        first, rest = await self._submit_decode(request)
+        return self._followed(first, rest)
+
+    async def _submit_decode(self, request: DecodeRequest) -> tuple[StepOutput, Followed]:
+        """Submits a decode call; its first step, once it has come, and the steps after."""
         steps = self.decode_steps
         steps.expect(request.request_id)
         # A stream=True handle: remote() returns a DeploymentResponseGenerator. It carries the
@@ -243,14 +270,15 @@ class PDRouter:
             steps.forget(request.request_id)
             stream.cancel()
             raise RuntimeError("the decode replica returned no output")
-        return self._followed(first, steps.follow(request.request_id, first, stream))
+        return first, steps.follow(request.request_id, first, stream)
 
     async def _followed(
-        self, first: StepOutput, rest: Followed
+        self, first: StepOutput | None, rest: Followed
     ) -> AsyncGenerator[StepOutput, None]:
         try:
-            self._note(first.stats)
-            yield first
+            if first is not None:
+                self._note(first.stats)
+                yield first
             async for step in rest:
                 self._note(step.stats)
                 yield step
@@ -260,22 +288,68 @@ class PDRouter:
     def _migrated(self) -> None:
         self.num_migrations += 1
 
-    async def _prefill(self, request: GenerateRequest) -> PrefillResult:
-        """One prefill call, retried once on another replica if the replica was lost."""
+    async def _prefill(self, request: GenerateRequest) -> tuple[PrefillResult, Followed | None]:
+        """One prefill call, retried once on another replica if the replica was lost.
+
+        With ``decode_first`` each attempt first opens a decode call that waits for the
+        handoff, and the prefill call names it as the destination; returned with the result
+        when the handoff was delivered to it (else closed, and None).
+        """
         for attempt in range(self.prefill_retries + 1):
-            response = self.prefill.prefill.remote(request)
+            waiting = await self._await_handoff(request) if self.decode_first else None
+            call = request
+            if waiting is not None:
+                call = dataclasses.replace(request, kv_destination=waiting[0])
+            response = self.prefill.prefill.remote(call)
             try:
-                return await response
-            except asyncio.CancelledError:
-                response.cancel()
-                raise
-            except REPLICA_LOST as exc:
-                if attempt == self.prefill_retries:
+                result = await response
+            except BaseException as exc:
+                if waiting is not None:
+                    waiting[1].cancel()
+                if isinstance(exc, asyncio.CancelledError):
+                    response.cancel()
+                if not isinstance(exc, REPLICA_LOST) or attempt == self.prefill_retries:
                     raise
                 logger.warning(
                     "prefill replica lost for %s (%r); retrying", request.request_id, exc
                 )
+                continue
+            if waiting is None:
+                return result, None
+            if result.handoff is None or not result.delivered:
+                waiting[1].cancel()
+                return result, None
+            return result, waiting[1]
         raise AssertionError("unreachable")
+
+    async def _await_handoff(
+        self, request: GenerateRequest
+    ) -> tuple[KVDestination, Followed] | None:
+        """A decode call opened before the prefill, waiting for its handoff: where the prefill
+        replica is to deliver it, and the call's steps. None when it cannot be opened (the
+        handoff then comes through here)."""
+        decode_request = DecodeRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=resume_sampling(request.sampling),
+            handoff=None,
+            images=request.images,
+            trace_context=request.trace_context,
+            await_handoff=True,
+        )
+        try:
+            ready, rest = await self._submit_decode(decode_request)
+        except Exception as exc:  # noqa: BLE001 - a decode replica lost or refusing
+            logger.warning(
+                "no decode call opened before the prefill of %s (%r): passing the handoff on",
+                request.request_id,
+                exc,
+            )
+            return None
+        if ready.kv_destination is None:
+            rest.cancel()
+            return None
+        return ready.kv_destination, rest
 
     def _note(self, stats: dict[str, Any] | None) -> None:
         if not stats:
@@ -294,6 +368,7 @@ class PDRouter:
             "replica_id": f"router:{self.replica_id}",
             "num_kv_refs_held": self.num_kv_refs_held,
             "num_migrations": self.num_migrations,
+            "num_handoffs_delivered": self.num_handoffs_delivered,
         }
         return [*self.replica_stats.values(), own]
 

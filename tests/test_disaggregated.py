@@ -126,10 +126,15 @@ def replica_stats(deployment: str, app: str, num_replicas: int) -> dict[str, dic
     raise AssertionError(f"saw {len(seen)} of {num_replicas} {deployment} replicas")
 
 
-def router_kv_refs(app: str) -> int:
+def router_total(app: str, key: str) -> int:
+    """A counter of the PD router's own stats (one router replica)."""
     handle = serve.get_deployment_handle("PDRouter", app_name=app)
     stats = handle.stats.remote().result(timeout_s=30)
-    return sum(s.get("num_kv_refs_held", 0) for s in stats)
+    return sum(s.get(key, 0) for s in stats)
+
+
+def router_kv_refs(app: str) -> int:
+    return router_total(app, "num_kv_refs_held")
 
 
 def wait_idle(app: str, num_prefill: int, timeout_s: float = 60.0) -> None:
@@ -165,9 +170,13 @@ def test_concurrent_mixed_greedy_equals_colocated_and_offline(pd_server, offline
         )
         return reply.choices[0].message.content, reply.usage.completion_tokens
 
+    delivered = router_total("pd", "num_handoffs_delivered")
     with ThreadPoolExecutor(len(chats)) as pool:
         pd = list(pool.map(lambda i: ask("/pd", i), range(len(chats))))
         colo = list(pool.map(lambda i: ask("/colo", i), range(len(chats))))
+    # Decode first (the nixl default): every handoff went from the prefill replica straight
+    # to the decode replica waiting for it.
+    assert router_total("pd", "num_handoffs_delivered") - delivered == len(chats)
     expected = [
         offline.chat(chat, SamplingParams(temperature=0, max_tokens=n))[0].outputs[0]
         for chat, n in zip(chats, lengths, strict=True)

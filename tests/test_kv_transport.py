@@ -302,6 +302,110 @@ def test_a_read_that_cannot_complete_recomputes_or_fails(pair, reference, policy
     _fail_or_recompute(pair, reference, broken, policy_fail)
 
 
+def test_a_delivered_handoff_decodes_like_one_engine(pair, reference):
+    """Decode first: the decode side expects each request under a key, the prefill side
+    delivers the exported handoff to that destination (a NIXL notification), and the decode
+    engine reads the blocks from what arrived: the reference tokens, both sides idle."""
+    prefill, sender, decode, receiver = pair
+    tokens = prompts(3, base=20)
+    params = [SamplingParams(temperature=0, max_tokens=6)] * 3
+    want = run_all(
+        reference,
+        [(f"r{i}", p, sp, {}) for i, (p, sp) in enumerate(zip(tokens, params, strict=True))],
+    )
+    pre = run_all(
+        prefill,
+        [
+            (f"p{i}", p, sp, {"export_kv": True})
+            for i, (p, sp) in enumerate(zip(tokens, params, strict=True))
+        ],
+    )
+
+    async def go() -> dict:
+        destinations = [receiver.expect(f"k{i}") for i in range(3)]
+        exported = []
+        for i, destination in enumerate(destinations):
+            handoff = sender.export(pre[f"p{i}"].kv_handoff)
+            await sender.deliver(handoff, destination)
+            exported.append(handoff)
+        for i in (2, 0, 1):
+            handoff = await receiver.wait(f"k{i}", 5.0)
+            receiver.forget(f"k{i}")  # taken: nothing to decline
+            sent = exported[i]
+            assert (handoff.handoff_id, handoff.block_ids) == (sent.handoff_id, sent.block_ids)
+            assert handoff.metadata == sent.metadata
+            assert handoff.output_token_ids == sent.output_token_ids
+            assert handoff.ticket.agent_info == sender.info  # the info itself, not a ref
+            kv = await receiver.receive(handoff, 5.0)
+            assert isinstance(kv, NixlBlockRead)
+            decode.add_request(
+                f"d{i}",
+                {"prompt_token_ids": tokens[i]},
+                params[i],
+                RequestOutputKind.FINAL_ONLY,
+                handoff=dataclasses.replace(handoff, kv=kv),
+            )
+        final = {}
+        while decode.has_unfinished_requests():
+            for out in decode.step():
+                if out.finished:
+                    final[out.request_id] = out
+            await asyncio.sleep(0)
+        await wait_released(prefill)
+        return final
+
+    final = asyncio.run(go())
+    for i in range(3):
+        # The decode output counts the handed-off first token as its own.
+        assert final[f"d{i}"].outputs[0].token_ids == want[f"r{i}"].outputs[0].token_ids
+    assert sender.num_held() == 0
+    assert_idle(prefill)
+    assert_idle(decode)
+
+
+def test_a_handoff_nobody_waits_for_is_declined_and_its_blocks_freed(tiny_llama_path, pair):
+    """A delivery for a call that stopped waiting (before it came, or after it came and was
+    not taken) is declined: the prefill replica frees the blocks at once, long before its
+    hold timeout. A destination that cannot be reached refuses the delivery: the handoff
+    stays held for the router to pass on."""
+    _, _, decode, receiver = pair
+    prefill = engine(tiny_llama_path, num_kv_blocks=64)
+    sender = NixlTransport(hold_timeout_s=300.0, publish=Published)
+    sender.attach(prefill, prefill.release_kv)
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    outs = run_all(
+        prefill, [(f"p{i}", p, sp, {"export_kv": True}) for i, p in enumerate(prompts(3))]
+    )
+
+    async def go() -> None:
+        before = receiver.expect("left-before")
+        receiver.forget("left-before")
+        await sender.deliver(sender.export(outs["p0"].kv_handoff), before)
+        after = receiver.expect("left-after")
+        await sender.deliver(sender.export(outs["p1"].kv_handoff), after)
+        deadline = time.monotonic() + 10
+        while not receiver._inbox["left-after"].done():
+            assert time.monotonic() < deadline, "the delivery did not arrive"
+            await asyncio.sleep(0.01)
+        receiver.forget("left-after")
+        unsent = len(outs["p2"].kv_handoff.block_ids)  # still held by the engine
+        deadline = time.monotonic() + 20
+        while sender.num_held() or prefill.stats().num_kv_blocks_held > unsent:
+            assert time.monotonic() < deadline, "declined blocks were not freed"
+            await asyncio.sleep(0.01)
+        gone = dataclasses.replace(after, agent_name="gone", agent_info=Missing())
+        handoff = sender.export(outs["p2"].kv_handoff)
+        with pytest.raises(KVTransportError, match="cannot be reached"):
+            await sender.deliver(handoff, gone)
+        assert sender.num_held() == 1
+        sender._free(handoff.handoff_id)
+
+    asyncio.run(go())
+    assert_idle(prefill)
+    assert_idle(decode)
+    sender.close()
+
+
 def test_an_expired_or_lost_ticket_is_refused_before_the_engine(pair, reference):
     sender = pair[1]
 
