@@ -407,12 +407,16 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
                 prompts = [random_prompt(rng, length) for _ in range(args.requests)]
                 for name in apps:  # warm-up: connections, first transfers
                     await http_request(client, urls[name], MODEL, prompts[0][:32], 4)
+                exports = {name: await export_totals(client, urls[name]) for name in apps}
                 for prompt in prompts:
                     for name in apps:
                         results[name].append(
                             await http_request(client, urls[name], MODEL, prompt, args.output_len)
                         )
                 for name in apps:
+                    seconds, count = await export_totals(client, urls[name])
+                    seconds -= exports[name][0]
+                    count -= exports[name][1]
                     done = results[name]
                     summary = summarize(done, 1.0, {})
                     second = [r.itl[0] for r in done if r.ok and r.itl]
@@ -420,6 +424,9 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
                         "p50_ms": statistics.median(second) * 1e3 if second else None,
                         "p99_ms": max(second) * 1e3 if second else None,
                     }
+                    # The prefill side's handoff per request (nixl: the ticket and, decode
+                    # first, the delivery), from the app's kv_transfer_seconds histogram.
+                    summary["export_ms"] = seconds / count * 1e3 if count else None
                     rows[f"{length}/{name}"] = summary
                     print_e2e(length, name, summary)
                 tpot = rows[f"{length}/colocated"]["tpot"]["p50_ms"]
@@ -436,6 +443,18 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
     return rows
 
 
+async def export_totals(client, url: str) -> tuple[float, float]:  # noqa: ANN001 - httpx client
+    """The sum and count of an app's ``neuron:kv_transfer_seconds{stage="export"}``."""
+    text = (await client.get(url.replace("/v1/completions", "/metrics"))).text
+    totals = {"_sum": 0.0, "_count": 0.0}
+    for line in text.splitlines():
+        for suffix in totals:
+            name = f"neuron:kv_transfer_seconds{suffix}{{"
+            if line.startswith(name) and 'stage="export"' in line:
+                totals[suffix] += float(line.rsplit(" ", 1)[1])
+    return totals["_sum"], totals["_count"]
+
+
 def print_e2e(length: int, name: str, s: dict) -> None:
     def pair(key: str) -> str:
         p50, p99 = s[key]["p50_ms"], s[key]["p99_ms"]
@@ -444,7 +463,8 @@ def print_e2e(length: int, name: str, s: dict) -> None:
     print(
         f"{length:>5} tok {name:<16} ok {s['completed']}/{s['completed'] + s['failed']}  "
         f"TTFT {pair('ttft')}  TPOT {pair('tpot')}  2nd token {pair('second_token')} ms "
-        f"(p50 / p99)",
+        f"(p50 / p99)"
+        + ("" if s["export_ms"] is None else f"  export {s['export_ms']:.2f} ms/request"),
         flush=True,
     )
 
