@@ -73,11 +73,19 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 # --configs names -> (BuildArgs.mode, DisaggregationArgs.kv_transport, the shipped file,
 # BuildArgs.step_channels, BuildArgs.stream_batching_interval_ms); "-per-request": every step
-# on its request's own call; "-batched": SSE events leave the ingress at most every 50 ms.
+# on its request's own call; "-batched": SSE events leave the ingress at most every 50 ms;
+# "nixl-via-router": NIXL with the handoff back through the router (kv_decode_first false).
 CONFIGS = {
     "colocated": ("colocated", "object_store", "configs/serve/colocated.yaml", True, 0.0),
     "disaggregated": ("disaggregated", "object_store", "serve_config.yaml", True, 0.0),
     "disaggregated-nixl": ("disaggregated", "nixl", "serve_config.yaml", True, 0.0),
+    "disaggregated-nixl-via-router": (
+        "disaggregated",
+        "nixl-via-router",
+        "serve_config.yaml",
+        True,
+        0.0,
+    ),
     "colocated-per-request": (
         "colocated",
         "object_store",
@@ -315,7 +323,10 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
             "max_num_seqs": args.max_num_seqs,
             "kv_cache_memory_bytes": args.kv_cache_mib << 20,
         },
-        disaggregation=DisaggregationArgs(kv_transport=transport),
+        disaggregation=DisaggregationArgs(
+            kv_transport=transport.removesuffix("-via-router"),
+            kv_decode_first=not transport.endswith("-via-router"),
+        ),
     )
     app = build_openai_app(
         build,
