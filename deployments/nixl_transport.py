@@ -147,13 +147,14 @@ class NixlTicket:
 
 
 class _PeerLink:
-    """A loaded prefill agent: its info and its cache's prepared descriptor list. Reads in
-    flight count as users; a link dropped (evicted, or its read failed) is released once the
-    last user is done with it."""
+    """A loaded agent: its info and, once a block read needs it, its cache's prepared
+    descriptor list (a decode agent a prefill replica only notifies needs none). Reads and
+    notifications in flight count as users; a link dropped (evicted, or its read failed) is
+    released once the last user is done with it."""
 
-    def __init__(self, info: NixlAgentInfo, dlist: Any) -> None:
+    def __init__(self, info: NixlAgentInfo) -> None:
         self.info = info
-        self.dlist = dlist
+        self.dlist: Any = None
         self.users = 0
         self.retired = False
 
@@ -361,7 +362,11 @@ class NixlTransport(KVTransport):
             arrival.cancel()
 
     def _arrived(self, data: bytes) -> None:
-        key, handoff = pickle.loads(data)
+        try:
+            key, handoff = pickle.loads(data)
+        except Exception:  # noqa: BLE001 - not one of ours; the watch goes on
+            logger.exception("a NIXL notification that is not a handoff was dropped")
+            return
         arrival = self._inbox.get(key)
         if arrival is None or arrival.done():
             self._decline(handoff)
@@ -393,6 +398,10 @@ class NixlTransport(KVTransport):
         link = await self._peer(ticket.agent_name, ticket.agent_info, deadline)
         mismatch = self.layout.mismatch(handoff.layout)
         if mismatch is None:
+            with self._peers_lock:  # the peer's cells, prepared once for block reads
+                if link.dlist is None:
+                    cells = cache_cells(link.info.region_addresses, link.info.layout)
+                    link.dlist = self.agent.prep_xfer_dlist(link.name, cells, "DRAM")
             return NixlBlockRead(self, link, handoff, deadline)  # the read holds the link
         try:
             logger.info(
@@ -425,8 +434,7 @@ class NixlTransport(KVTransport):
                 link.users += 1
                 return link
             self.agent.add_remote_agent(info.metadata)
-            cells = cache_cells(info.region_addresses, info.layout)
-            link = _PeerLink(info, self.agent.prep_xfer_dlist(info.name, cells, "DRAM"))
+            link = _PeerLink(info)
             link.users += 1
             self._peers[info.name] = link
             while len(self._peers) > MAX_PEERS:
@@ -455,8 +463,9 @@ class NixlTransport(KVTransport):
             self._retired[name] = link
 
     def _drop(self, link: _PeerLink) -> None:
-        with contextlib.suppress(Exception):
-            self.agent.release_dlist_handle(link.dlist)
+        if link.dlist is not None:
+            with contextlib.suppress(Exception):
+                self.agent.release_dlist_handle(link.dlist)
         with contextlib.suppress(Exception):
             self.agent.remove_remote_agent(link.name)
 
