@@ -1,0 +1,225 @@
+"""The PD router's decode-first path without a cluster: fake prefill and decode deployments.
+
+The decode deployment answers a call opened before the prefill (``await_handoff``) with its
+destination, then waits until the fake prefill delivers the handoff under that key; a call
+that carries a handoff continues from it at once. Checked: the tokens the client gets (the
+prefill's first token, then the decode tokens, each once), which decode calls were opened and
+which were closed, for a delivered handoff, a delivery that failed (the router passes the
+handoff on and closes the waiting call), a prefill replica lost mid-call (the waiting call is
+closed and the retry opens a new one), a request that ends on its first token, and the
+handoff through the router when ``decode_first`` is off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from deployments.protocol import (
+    DecodeRequest,
+    GenerateRequest,
+    KVDestination,
+    PrefillResult,
+    SeqDelta,
+    StepOutput,
+)
+from neuron_runtime.kv_transfer import KVHandoff, KVMetadata
+from router.pd_router import PDRouter
+
+PROMPT = [5, 6, 7, 8]
+FIRST = 100  # the prefill's token
+REST = [101, 102, 103]  # what decode produces after it
+
+
+class Call:
+    """A streaming call running apart from its caller (as on a replica); ``cancel`` ends it."""
+
+    def __init__(self, steps) -> None:  # noqa: ANN001 - an async generator
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.task = asyncio.create_task(self._run(steps))
+
+    async def _run(self, steps) -> None:  # noqa: ANN001
+        try:
+            async for step in steps:
+                await self.queue.put(step)
+            await self.queue.put(None)
+        except asyncio.CancelledError:
+            pass
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.task.cancel()
+
+    def __aiter__(self):  # noqa: ANN204
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        step = await self.queue.get()
+        if step is None:
+            raise StopAsyncIteration
+        return step
+
+
+class Decode:
+    """The decode deployment: every call it got, and the handoffs waiting calls expect."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[DecodeRequest, Call]] = []
+        self.expected: dict[str, asyncio.Future] = {}
+        decode = self
+
+        class Generate:
+            def remote(self, request: DecodeRequest, subscriber: str) -> Call:
+                call = Call(decode.steps(request))
+                decode.calls.append((request, call))
+                return call
+
+        self.generate = Generate()
+
+    def options(self, **_) -> Decode:  # noqa: ANN003
+        return self
+
+    async def steps(self, request: DecodeRequest):  # noqa: ANN201
+        handoff = request.handoff
+        if request.await_handoff:
+            key = f"{request.request_id}@{len(self.calls)}"
+            self.expected[key] = asyncio.get_running_loop().create_future()
+            yield StepOutput([], len(PROMPT), kv_destination=KVDestination("decode", None, key))
+            handoff = await self.expected[key]
+        assert handoff is not None and handoff.output_token_ids == [FIRST]
+        for i, token in enumerate(REST):
+            last = i == len(REST) - 1
+            yield StepOutput(
+                [SeqDelta(0, [token], finish_reason="length" if last else None)],
+                len(PROMPT),
+                finished=last,
+            )
+
+
+class Response:
+    """A unary call's response."""
+
+    def __init__(self, coro) -> None:  # noqa: ANN001
+        self.task = asyncio.ensure_future(coro)
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.task.cancel()
+
+    def __await__(self):  # noqa: ANN204
+        return self.task.__await__()
+
+
+class Prefill:
+    """The prefill deployment: ``outcomes`` says what each call does in turn: "deliver" (to
+    the destination it names), "keep" (its delivery failed: the handoff returns), "lost"
+    (the replica died), "end" (the request ends on its first token)."""
+
+    def __init__(self, decode: Decode, outcomes: list[str]) -> None:
+        self.requests: list[GenerateRequest] = []
+        prefill = self
+
+        class Call:
+            def remote(self, request: GenerateRequest) -> Response:
+                prefill.requests.append(request)
+                return Response(prefill.run(request, outcomes.pop(0)))
+
+        self.prefill = Call()
+        self.decode = decode
+
+    async def run(self, request: GenerateRequest, outcome: str) -> PrefillResult:
+        await asyncio.sleep(0.01)
+        if outcome == "lost":
+            raise ActorDiedError()
+        finished = outcome == "end"
+        step = StepOutput(
+            [SeqDelta(0, [FIRST], finish_reason="stop" if finished else None)],
+            len(PROMPT),
+            finished=finished,
+        )
+        if finished:
+            return PrefillResult(step)
+        handoff = KVHandoff(KVMetadata("m", "h", "float32", 1, 1, 1, len(PROMPT), ()), [FIRST])
+        delivered = outcome == "deliver" and request.kv_destination is not None
+        if delivered:
+            self.decode.expected[request.kv_destination.key].set_result(handoff)
+        return PrefillResult(step, handoff, delivered=delivered)
+
+
+def router(prefill: Prefill, decode: Decode, decode_first: bool = True) -> PDRouter:
+    return PDRouter.func_or_class(prefill, decode, step_channels=False, decode_first=decode_first)
+
+
+async def tokens_of(pd: PDRouter) -> list[int]:
+    request = GenerateRequest("r", PROMPT, {"max_tokens": 4, "temperature": 0.0})
+    steps = [step async for step in pd.generate(request)]
+    return [t for step in steps for seq in step.seqs for t in seq.token_ids]
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "decode_first", "calls", "delivered"),
+    [
+        # The handoff delivered to the call opened first: one decode call, never closed.
+        (["deliver"], True, [True], 1),
+        # The delivery failed: the waiting call is closed, a call with the handoff opened.
+        (["keep"], True, [True, False], 0),
+        # The prefill replica lost: its waiting call closed, the retry opens its own.
+        (["lost", "deliver"], True, [True, True], 1),
+        # decode_first off: the handoff comes back and goes out with the decode call.
+        (["deliver"], False, [False], 0),
+    ],
+)
+def test_the_client_gets_each_token_once_whichever_way_the_handoff_went(
+    outcomes: list[str], decode_first: bool, calls: list[bool], delivered: int
+) -> None:
+    async def main() -> None:
+        decode = Decode()
+        prefill = Prefill(decode, list(outcomes))
+        pd = router(prefill, decode, decode_first)
+        assert await asyncio.wait_for(tokens_of(pd), 10) == [FIRST, *REST]
+        assert [request.await_handoff for request, _ in decode.calls] == calls
+        # Every call but the last was closed by the router; the last ran to its end.
+        assert [call.cancelled for _, call in decode.calls] == [True] * (len(calls) - 1) + [False]
+        waiting = [r.kv_destination is not None for r in prefill.requests]
+        assert waiting == [decode_first] * len(outcomes)
+        own = pd.stats()[-1]
+        assert own["num_handoffs_delivered"] == delivered
+        assert own["num_kv_refs_held"] == 0
+        assert not pd.decode_steps.queues and not pd.decode_steps.owners
+
+    asyncio.run(main())
+
+
+def test_a_request_that_ends_on_its_first_token_closes_the_waiting_call() -> None:
+    async def main() -> None:
+        decode = Decode()
+        pd = router(Prefill(decode, ["end"]), decode)
+        assert await asyncio.wait_for(tokens_of(pd), 10) == [FIRST]
+        ((request, call),) = decode.calls
+        assert request.await_handoff and call.cancelled
+        assert pd.stats()[-1]["num_handoffs_delivered"] == 0
+        assert not pd.decode_steps.queues
+
+    asyncio.run(main())
+
+
+def test_a_caller_gone_during_the_prefill_closes_both_calls() -> None:
+    async def main() -> None:
+        decode = Decode()
+        prefill = Prefill(decode, ["deliver"])
+        pd = router(prefill, decode)
+        task = asyncio.create_task(tokens_of(pd))
+        while not prefill.requests:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ((_, call),) = decode.calls
+        assert call.cancelled
+        assert not pd.decode_steps.queues
+
+    asyncio.run(main())
