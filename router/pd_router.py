@@ -49,6 +49,7 @@ from deployments.protocol import (
 )
 from deployments.step_channel import StepPublisher
 from neuron_runtime import tracing
+from neuron_runtime.kv_transfer import KVHandoff
 from router.encoder_router import EncoderRouter
 from router.migration import (
     MAX_MIGRATIONS,
@@ -168,16 +169,7 @@ class PDRouter:
                 yield result.step
                 return  # the request ended on its first token
             if waiting is None:
-                decode_request = DecodeRequest(
-                    request_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    # The prompt's logprobs came with the prefill output; decode does not
-                    # redo them.
-                    sampling=resume_sampling(request.sampling),
-                    handoff=result.handoff,
-                    images=request.images,
-                    trace_context=request.trace_context,
-                )
+                decode_request = _decode_request(request, result.handoff)
                 # The decode call goes out before the first token is passed on: the decode
                 # replica reads the KV while that token travels to the client.
                 opening = asyncio.ensure_future(self._open_decode(decode_request))
@@ -199,14 +191,7 @@ class PDRouter:
             del result
         # A decode replica lost mid-stream: the request resumes on another one, which
         # recomputes prompt + the tokens passed on so far (no handoff, resume_token_ids).
-        resumable = DecodeRequest(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=resume_sampling(request.sampling),
-            handoff=None,
-            images=request.images,
-            trace_context=request.trace_context,
-        )
+        resumable = _decode_request(request)
 
         async def reopen(resume_tokens: list[int], attempt: int) -> AsyncIterator[StepOutput]:
             suffix = f".m{attempt}" if attempt else ""
@@ -328,15 +313,7 @@ class PDRouter:
         """A decode call opened before the prefill, waiting for its handoff: where the prefill
         replica is to deliver it, and the call's steps. None when it cannot be opened (the
         handoff then comes through here)."""
-        decode_request = DecodeRequest(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=resume_sampling(request.sampling),
-            handoff=None,
-            images=request.images,
-            trace_context=request.trace_context,
-            await_handoff=True,
-        )
+        decode_request = _decode_request(request, await_handoff=True)
         try:
             ready, rest = await self._submit_decode(decode_request)
         except Exception as exc:  # noqa: BLE001 - a decode replica lost or refusing
@@ -381,6 +358,22 @@ class PDRouter:
         if self.encoder is not None:
             probes.append(self.encoder.check_health())
         await asyncio.gather(*probes)
+
+
+def _decode_request(
+    request: GenerateRequest, handoff: KVHandoff | None = None, await_handoff: bool = False
+) -> DecodeRequest:
+    """The decode call of ``request``. The prompt's logprobs come with the prefill output:
+    decode does not redo them."""
+    return DecodeRequest(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling=resume_sampling(request.sampling),
+        handoff=handoff,
+        images=request.images,
+        trace_context=request.trace_context,
+        await_handoff=await_handoff,
+    )
 
 
 async def _close_opening(opening: asyncio.Task[AsyncGenerator[StepOutput, None]]) -> None:

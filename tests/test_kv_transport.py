@@ -105,6 +105,17 @@ async def wait_released(prefill: LLMEngine, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def drain(decode: LLMEngine) -> dict:
+    """Steps the decode engine until every request ended; their final outputs by id."""
+    final = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                final[out.request_id] = out
+        await asyncio.sleep(0)  # lets the prefill side see its notifications
+    return final
+
+
 async def hand_over(pair, token_lists, params, policy_fail: bool = False) -> tuple[dict, list]:  # noqa: ANN001
     """Prefill -> export -> receive -> decode for each prompt; the decode outputs and what
     each receive returned."""
@@ -130,13 +141,7 @@ async def hand_over(pair, token_lists, params, policy_fail: bool = False) -> tup
         decode.add_request(
             request_id, {"prompt_token_ids": tokens}, sp, RequestOutputKind.FINAL_ONLY, **kwargs
         )
-    final = {}
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            if out.finished:
-                final[out.request_id] = out
-        await asyncio.sleep(0)  # lets the prefill side see its notifications
-    return final, received
+    return await drain(decode), received
 
 
 def test_block_reads_of_a_concurrent_batch_equal_one_engine(pair, reference):
@@ -212,14 +217,21 @@ def test_unequal_block_sizes_fall_back_to_tokens(pair, reference):
     assert_idle(decode)
 
 
-def test_unread_blocks_are_freed_at_the_hold_timeout(tiny_llama_path):
-    prefill = engine(tiny_llama_path, num_kv_blocks=64)
-    sender = NixlTransport(hold_timeout_s=0.5, publish=Published)
+def held_prefills(path, hold_timeout_s: float) -> tuple[LLMEngine, NixlTransport, dict]:  # noqa: ANN001
+    """A prefill engine with its transport, and three prompts it handed off (``p0``..``p2``),
+    their blocks held by the engine until exported."""
+    prefill = engine(path, num_kv_blocks=64)
+    sender = NixlTransport(hold_timeout_s=hold_timeout_s, publish=Published)
     sender.attach(prefill, prefill.release_kv)
     sp = SamplingParams(temperature=0, max_tokens=4)
     outs = run_all(
         prefill, [(f"p{i}", p, sp, {"export_kv": True}) for i, p in enumerate(prompts(3))]
     )
+    return prefill, sender, outs
+
+
+def test_unread_blocks_are_freed_at_the_hold_timeout(tiny_llama_path):
+    prefill, sender, outs = held_prefills(tiny_llama_path, hold_timeout_s=0.5)
 
     async def go() -> None:
         for out in outs.values():
@@ -233,23 +245,26 @@ def test_unread_blocks_are_freed_at_the_hold_timeout(tiny_llama_path):
     sender.close()
 
 
+def reference_and_prefilled(
+    reference: LLMEngine, prefill: LLMEngine, tokens: list[list[int]], params: list
+) -> tuple[dict, dict]:
+    """The reference engine's outputs (``r{i}``) and the prefill engine's handed-off ones
+    (``p{i}``) for the same prompts."""
+    pairs = list(zip(tokens, params, strict=True))
+    want = run_all(reference, [(f"r{i}", p, sp, {}) for i, (p, sp) in enumerate(pairs)])
+    pre = run_all(
+        prefill, [(f"p{i}", p, sp, {"export_kv": True}) for i, (p, sp) in enumerate(pairs)]
+    )
+    return want, pre
+
+
 def _fail_or_recompute(pair, reference, broken, policy_fail: bool) -> None:  # noqa: ANN001
     """Decode from ``broken(handoff)`` handoffs: recompute gives the reference tokens, fail
     ends the request with an error; both sides end idle."""
     prefill, sender, decode, receiver = pair
     tokens = prompts(2, base=40)
     params = [SamplingParams(temperature=0, max_tokens=8)] * 2
-    want = run_all(
-        reference,
-        [(f"r{i}", p, sp, {}) for i, (p, sp) in enumerate(zip(tokens, params, strict=True))],
-    )
-    pre = run_all(
-        prefill,
-        [
-            (f"p{i}", p, sp, {"export_kv": True})
-            for i, (p, sp) in enumerate(zip(tokens, params, strict=True))
-        ],
-    )
+    want, pre = reference_and_prefilled(reference, prefill, tokens, params)
 
     async def go() -> dict:
         requests = []
@@ -268,12 +283,7 @@ def _fail_or_recompute(pair, reference, broken, policy_fail: bool) -> None:  # n
             decode.add_request(
                 request_id, {"prompt_token_ids": t}, sp, RequestOutputKind.FINAL_ONLY, **kwargs
             )
-        final = {}
-        while decode.has_unfinished_requests():
-            for out in decode.step():
-                if out.finished:
-                    final[out.request_id] = out
-            await asyncio.sleep(0)
+        final = await drain(decode)
         await wait_released(prefill)
         return final
 
@@ -309,17 +319,7 @@ def test_a_delivered_handoff_decodes_like_one_engine(pair, reference):
     prefill, sender, decode, receiver = pair
     tokens = prompts(3, base=20)
     params = [SamplingParams(temperature=0, max_tokens=6)] * 3
-    want = run_all(
-        reference,
-        [(f"r{i}", p, sp, {}) for i, (p, sp) in enumerate(zip(tokens, params, strict=True))],
-    )
-    pre = run_all(
-        prefill,
-        [
-            (f"p{i}", p, sp, {"export_kv": True})
-            for i, (p, sp) in enumerate(zip(tokens, params, strict=True))
-        ],
-    )
+    want, pre = reference_and_prefilled(reference, prefill, tokens, params)
 
     async def go() -> dict:
         destinations = [receiver.expect(f"k{i}") for i in range(3)]
@@ -345,12 +345,7 @@ def test_a_delivered_handoff_decodes_like_one_engine(pair, reference):
                 RequestOutputKind.FINAL_ONLY,
                 handoff=dataclasses.replace(handoff, kv=kv),
             )
-        final = {}
-        while decode.has_unfinished_requests():
-            for out in decode.step():
-                if out.finished:
-                    final[out.request_id] = out
-            await asyncio.sleep(0)
+        final = await drain(decode)
         await wait_released(prefill)
         return final
 
@@ -369,13 +364,7 @@ def test_a_handoff_nobody_waits_for_is_declined_and_its_blocks_freed(tiny_llama_
     hold timeout. A destination that cannot be reached refuses the delivery: the handoff
     stays held for the router to pass on."""
     _, _, decode, receiver = pair
-    prefill = engine(tiny_llama_path, num_kv_blocks=64)
-    sender = NixlTransport(hold_timeout_s=300.0, publish=Published)
-    sender.attach(prefill, prefill.release_kv)
-    sp = SamplingParams(temperature=0, max_tokens=4)
-    outs = run_all(
-        prefill, [(f"p{i}", p, sp, {"export_kv": True}) for i, p in enumerate(prompts(3))]
-    )
+    prefill, sender, outs = held_prefills(tiny_llama_path, hold_timeout_s=300.0)
 
     async def go() -> None:
         before = receiver.expect("left-before")
