@@ -561,12 +561,14 @@ class NixlTransport(KVTransport):
 
 
 class NixlBlockRead(KVBlockSource):
-    """One handed-off prompt read layer by layer into the decode engine's cache.
+    """One handed-off prompt read into the decode engine's cache.
 
     ``start`` (the engine's loop thread) queues it on the transport's reader thread, which
-    posts one READ per layer in layer order (``run``) and counts the layers in as their READs
-    complete. ``wait_layer`` (the engine's forward, before a layer's attention) and ``poll``
-    read that count. The timings are read by the decode replica for its transfer metrics
+    posts the READs (``run``): one per layer in layer order when the read is layer-wise, else
+    one of every layer's cells (the request waits for the whole read anyway, and one posting
+    call costs less than one per layer), and counts the layers in as their READs complete.
+    ``wait_layer`` (the engine's forward, before a layer's attention) and ``poll`` read that
+    count. The timings are read by the decode replica for its transfer metrics
     (``started_at``, ``done_at``) and by bench/kv_handoff.py (``picked_at``: the reader thread
     took it; ``post_s``: time in the posting calls, where the copy happens).
 
@@ -655,9 +657,11 @@ class NixlBlockRead(KVBlockSource):
                 self.layout, self.link.info.layout.num_blocks, self.handoff.block_ids
             )
             num_layers = self.layout.num_layers
-            for layer in range(num_layers):
+            if not self.layer_wise:  # one READ of every layer's cells, layer after layer
+                local, remote = local.reshape(1, -1), remote.reshape(1, -1)
+            for layers_local, layers_remote in zip(local, remote, strict=True):
                 before = time.perf_counter()
-                handles.append(transport.post(self.link, local[layer], remote[layer]))
+                handles.append(transport.post(self.link, layers_local, layers_remote))
                 self.post_s += time.perf_counter() - before
                 self._count_layers_in(handles)
             while self._count_layers_in(handles) < num_layers:
@@ -681,18 +685,22 @@ class NixlBlockRead(KVBlockSource):
                 self._progress.notify_all()
 
     def _count_layers_in(self, handles: list[Any]) -> int:
-        """Advances the count of leading layers whose READ is done; raises on a failed one."""
-        count = self._layers_in
-        while count < len(handles):
-            state = self.transport.state(handles[count])
+        """Advances the count of leading layers whose READ is done (each handle covers the
+        same number of layers: one, or all); raises on a failed READ."""
+        num_layers = self.layout.num_layers
+        per_handle = 1 if self.layer_wise else num_layers
+        done = self._layers_in // per_handle
+        while done < len(handles):
+            state = self.transport.state(handles[done])
             if state == "PROC":
                 break
             if state != "DONE":
-                raise KVTransferError(f"layer {count}'s READ ended {state}")
-            count += 1
+                raise KVTransferError(f"READ {done} of the prompt's KV ended {state}")
+            done += 1
+        count = done * per_handle
         if count > self._layers_in:
             with self._progress:
-                if count == self.layout.num_layers:
+                if count == num_layers:
                     self.done_at = time.perf_counter()
                 self._layers_in = count
                 self._progress.notify_all()
