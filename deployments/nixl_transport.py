@@ -14,20 +14,21 @@ replica loads a prefill agent the first time one of its tickets arrives. No sock
             expiry) ----------- router ------------>  receive: load the agent (once), check
                                                        the layouts; equal -> a block read
                                                       engine: allocates the prompt's blocks,
-                                                       start(): the reader thread posts one
-                                                       READ per layer, in layer order, by
-                                                       index into the prepared lists
-                                                      layer-wise: the request runs at once,
-                                                       the forward waiting for layer i's READ
+                                                       start(): the reader thread posts the
+                                                       READs by index into the prepared lists
+                                                      layer-wise: one READ per layer, in layer
+                                                       order; the request runs at once, the
+                                                       forward waiting for layer i's READ
                                                        before layer i's attention (wait_layer);
-                                                       whole: it runs once every READ is done
+                                                       whole: one READ of every layer; the
+                                                       request runs once it is done
     notification "handoff id"  <-------------------   (sent once every layer's READ is done)
     release: engine frees the blocks                   poll() -> done
 
 Descriptors are prepared once: at registration every (region, KV head, block) cell of this
-replica's cache becomes one entry of a local prepared list, and when a peer is loaded its
-cache's cells become a remote one. A READ is then made from two index arrays (the prompt's
-blocks, layer by layer); NIXL merges the cells that are adjacent on both sides (a run of
+replica's cache becomes one entry of a local prepared list, and when a peer is first read
+from its cache's cells become a remote one. A READ is then made from two index arrays (the
+prompt's blocks, layer by layer); NIXL merges the cells that are adjacent on both sides (a run of
 consecutive blocks of one head is one copy). No descriptor is built or validated per request.
 
 Over UCX between two processes of one host (cross-memory attach) a READ copies in the call
