@@ -6,13 +6,14 @@ heads x 64, 720 KiB of KV per 16-token block):
 1. Components, between two Ray actors that each own an engine and both transports (no Serve):
    per request, the prefill side's export (nixl: the ticket; object_store: the copy out of
    the blocks and ``ray.put``), the transfer (nixl: ticket -> the decode blocks filled: the
-   receive, the handover to the reader thread, its READs, one per layer, and the time in
-   their posting calls, where cross-memory attach copies; the actor waits on the read's
+   receive, the handover to the reader thread, its READs (one of every layer for a whole
+   read, the default over UCX; one per layer for a layer-wise one), and the time in their
+   posting calls, where cross-memory attach copies; the actor waits on the read's
    progress as the engine's forward does; object_store: the ref read on the decode side)
    and the import (object_store: the array written into the decode blocks; nixl has none:
    the READ lands in them). A plain memory copy of the same bytes in the decode actor (best
    of three, warm) is the bandwidth reference; one READ of every layer posted inline on the
-   actor's thread just before the layer-wise read is the transport's own ceiling.
+   actor's thread just before the engine's read is the transport's own ceiling.
 2. The second token without Serve, per prompt in turn: one engine's decode step after its
    first token (colocated) against each transport's path on the decode actor after the
    prefill actor's export: the Ray hop, the receive (the peer loaded once), then nixl: the
@@ -45,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from local_cluster import start_local_serve, stop_local_serve  # noqa: E402
-from serve import http_request, summarize  # noqa: E402
+from serve import handoff_figures, http_request, summarize  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 # The second token's paths: nixl-whole is a NIXL read the request waits for whole before its
@@ -407,16 +408,14 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
                 prompts = [random_prompt(rng, length) for _ in range(args.requests)]
                 for name in apps:  # warm-up: connections, first transfers
                     await http_request(client, urls[name], MODEL, prompts[0][:32], 4)
-                exports = {name: await export_totals(client, urls[name]) for name in apps}
+                before = {name: await metrics_text(client, urls[name]) for name in apps}
                 for prompt in prompts:
                     for name in apps:
                         results[name].append(
                             await http_request(client, urls[name], MODEL, prompt, args.output_len)
                         )
                 for name in apps:
-                    seconds, count = await export_totals(client, urls[name])
-                    seconds -= exports[name][0]
-                    count -= exports[name][1]
+                    after = await metrics_text(client, urls[name])
                     done = results[name]
                     summary = summarize(done, 1.0, {})
                     second = [r.itl[0] for r in done if r.ok and r.itl]
@@ -426,7 +425,8 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
                     }
                     # The prefill side's handoff per request (nixl: the ticket and, decode
                     # first, the delivery), from the app's kv_transfer_seconds histogram.
-                    summary["export_ms"] = seconds / count * 1e3 if count else None
+                    figures = handoff_figures(before[name], after, {}).values()
+                    summary["export_ms"] = next((f["export_mean_ms"] for f in figures), None)
                     rows[f"{length}/{name}"] = summary
                     print_e2e(length, name, summary)
                 tpot = rows[f"{length}/colocated"]["tpot"]["p50_ms"]
@@ -443,16 +443,9 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
     return rows
 
 
-async def export_totals(client, url: str) -> tuple[float, float]:  # noqa: ANN001 - httpx client
-    """The sum and count of an app's ``neuron:kv_transfer_seconds{stage="export"}``."""
-    text = (await client.get(url.replace("/v1/completions", "/metrics"))).text
-    totals = {"_sum": 0.0, "_count": 0.0}
-    for line in text.splitlines():
-        for suffix in totals:
-            name = f"neuron:kv_transfer_seconds{suffix}{{"
-            if line.startswith(name) and 'stage="export"' in line:
-                totals[suffix] += float(line.rsplit(" ", 1)[1])
-    return totals["_sum"], totals["_count"]
+async def metrics_text(client, url: str) -> str:  # noqa: ANN001 - httpx client
+    """The /metrics text of the app whose completions URL is ``url``."""
+    return (await client.get(url.replace("/v1/completions", "/metrics"))).text
 
 
 def print_e2e(length: int, name: str, s: dict) -> None:
