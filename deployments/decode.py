@@ -10,11 +10,17 @@ prompt here) or "fail" (end the request with an error).
 
 A call opened before its prefill (``DecodeRequest.await_handoff``, NIXL) first streams where
 the prefill replica is to deliver the handoff, then waits for it (``kv_delivery_timeout_s``
-at most: the prompt's prefill, queueing included, runs meanwhile) and goes on as above.
+at most: the prompt's prefill, queueing included, runs meanwhile) and goes on as above, with
+one more step before its tokens: ``kv_arrived``, as soon as the blocks are in and the
+engine's first step for the request starts (at once for a payload or a recompute). The
+router holds the first token until then, so the client sees the second one step after it,
+as from a colocated engine; the read's time goes to the first token instead, as when a
+decode engine produces the first token itself (vLLM's and Dynamo's PD).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -27,7 +33,7 @@ from ray import serve
 from deployments.engine_replica import EngineReplica, image_inputs, to_step_output
 from deployments.kv_transport import KVTransportConfig, make_transport
 from deployments.protocol import DecodeRequest, KVTransferInfo, StepOutput
-from neuron_runtime import RequestOutputKind, SamplingParams, tracing
+from neuron_runtime import RequestOutput, RequestOutputKind, SamplingParams, tracing
 from neuron_runtime.kv_transfer import KVBlockSource, KVHandoff, KVMetadata, KVPayload
 
 logger = logging.getLogger("ray.serve")
@@ -75,6 +81,7 @@ class DecodeServer(EngineReplica):
             yield step
 
     async def _steps(self, request: DecodeRequest) -> AsyncGenerator[StepOutput, None]:
+        delivered = request.await_handoff
         if request.await_handoff:
             key = f"{request.request_id}@{uuid.uuid4().hex[:12]}"
             destination = self.transport.expect(key)
@@ -97,18 +104,24 @@ class DecodeServer(EngineReplica):
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         images = await image_inputs(request.images)
+        outputs = trace.follow(
+            self.engine.generate(
+                prompt,
+                params,
+                request.request_id,
+                kind=RequestOutputKind.DELTA,
+                handoff=handoff,
+                **images,
+            )
+        )
+        if delivered:
+            outputs = _announcing(outputs, self._arrival(kv))
         first = True
         try:
-            async for out in trace.follow(
-                self.engine.generate(
-                    prompt,
-                    params,
-                    request.request_id,
-                    kind=RequestOutputKind.DELTA,
-                    handoff=handoff,
-                    **images,
-                )
-            ):
+            async for out in outputs:
+                if out is None:
+                    yield StepOutput([], len(request.prompt_token_ids), kv_arrived=True)
+                    continue
                 step = to_step_output(out)
                 if first:
                     first = False
@@ -124,6 +137,26 @@ class DecodeServer(EngineReplica):
         finally:
             if isinstance(kv, KVBlockSource):
                 kv.abandon()
+
+    @staticmethod
+    def _arrival(kv: KVPayload | KVBlockSource | None) -> asyncio.Future[None]:
+        """Resolves when the request's first step here starts: a block read's blocks are in
+        (the engine's thread says so); a payload or a recompute has nothing to wait for."""
+        loop = asyncio.get_running_loop()
+        arrived: asyncio.Future[None] = loop.create_future()
+        if not isinstance(kv, KVBlockSource):
+            arrived.set_result(None)
+            return arrived
+
+        def resolve() -> None:
+            if not arrived.done():
+                arrived.set_result(None)
+
+        def notify() -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(resolve)
+
+        kv.on_first_step = notify
+        return arrived
 
     def _handoff(self, request: DecodeRequest) -> KVHandoff:
         """The request's handoff; a migrated request (router/migration.py) goes on after the
@@ -171,3 +204,31 @@ class DecodeServer(EngineReplica):
         transport = getattr(self, "transport", None)
         if transport is not None:
             transport.close()
+
+
+async def _announcing(
+    outputs: AsyncIterator[RequestOutput], arrived: asyncio.Future[None]
+) -> AsyncGenerator[RequestOutput | None, None]:
+    """``outputs`` after a None, which comes once ``arrived`` resolves or the first output is
+    there, whichever is first (a read that failed ends in an output). Closing this closes
+    ``outputs``."""
+    iterator = aiter(outputs)
+    ahead = asyncio.ensure_future(anext(iterator))
+    try:
+        either: set[asyncio.Future[Any]] = {ahead, arrived}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        yield None
+        try:
+            out = await ahead
+        except StopAsyncIteration:
+            return
+        yield out
+        async for out in iterator:
+            yield out
+    finally:
+        if not ahead.done():
+            ahead.cancel()
+            await asyncio.wait({ahead})
+        close = getattr(iterator, "aclose", None)
+        if close is not None:
+            await close()

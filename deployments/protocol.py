@@ -129,6 +129,10 @@ class StepOutput:
     # A decode call opened before its prefill (DecodeRequest.await_handoff): its first step,
     # with no tokens, says where the prefill replica is to deliver the handoff.
     kv_destination: KVDestination | None = None
+    # Such a call's next step, with no tokens either: the prompt's KV is in and the decode
+    # engine's first step for it starts (the router passes the first token on then, so the
+    # second follows it by one step).
+    kv_arrived: bool = False
 
 
 @dataclass

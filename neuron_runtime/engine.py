@@ -79,6 +79,17 @@ class _BlockRead:
     joined: bool = False  # its request ran in a step while the KV was landing (once at most)
 
 
+def _first_step(read: _BlockRead) -> None:
+    """Tells a block read's owner that its request's first step starts (once)."""
+    callback, read.source.on_first_step = read.source.on_first_step, None
+    if callback is None:
+        return
+    try:
+        callback()
+    except Exception:  # noqa: BLE001 - the owner's news, never the engine's failure
+        logger.exception("a KV read's first-step callback failed")
+
+
 class LLMEngine:
     """Owns tokenizer, scheduler, KV cache manager and model runner; steps them together."""
 
@@ -425,9 +436,11 @@ class LLMEngine:
             if done:
                 del self._reads[seq.req_id]
                 self.kv.release(read.hold_key)
+                _first_step(read)
             elif can_join and read.source.layer_wise and not read.joined:
                 read.joined = True
                 joining.add(seq.req_id)
+                _first_step(read)
             else:
                 arriving.add(seq.req_id)
         return arriving - set(failed), failed, joining
@@ -468,6 +481,7 @@ class LLMEngine:
     def _read_failed(self, req_id: str, exc: KVTransferError, failed: dict[str, str]) -> None:
         read = self._reads.pop(req_id)
         self.kv.release(read.hold_key)
+        _first_step(read)  # no KV to wait for now: the request runs (recomputes) or ends
         if read.source.recompute_on_failure:
             self.scheduler.requests[req_id].num_computed_tokens = 0
         else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +190,11 @@ class KVBlockSource(ABC):
     # or why the read failed.
     done_at: float | None = None
     error: str | None = None
+    # Set by the owner: called (once, from the engine's thread) when the request's first step
+    # here starts, its blocks all in or, layer-wise, landing into that step. The owner may
+    # pass the news on (the PD router releases the first token then: the second follows it
+    # by one step). It must not block.
+    on_first_step: Callable[[], None] | None = None
 
     @abstractmethod
     def start(self, block_ids: list[int]) -> None:

@@ -8,13 +8,17 @@ colocated or split. Per request:
     decode replica (KVCapacityRouter)       <- prompt, the same KVHandoff
                                             -> the other tokens      -> streamed
 
-The first token goes to the client before the KV moves, so the handoff adds to the second
-token's latency, not to TTFT. With ``decode_first`` (NIXL) the decode call is opened before
-the prefill call: the decode replica answers at once with where to deliver the handoff, the
-prefill replica delivers it there itself (deployments/nixl_transport.py) and returns the
-first token, and the decode replica reads the KV while that token travels out through here:
-the handoff never waits for this router on the second token's path. A decode call that
-cannot be opened, or a delivery that fails, falls back to passing the handoff on.
+Passing the handoff on, the first token goes to the client before the KV moves, so the
+handoff adds to the second token's latency, not to TTFT. With ``decode_first`` (NIXL) the
+decode call is opened before the prefill call: the decode replica answers at once with where
+to deliver the handoff, the prefill replica delivers it there itself
+(deployments/nixl_transport.py) and returns the first token, and the decode replica reads the
+KV meanwhile: the handoff never waits for this router. The first token is then held until
+the decode replica says the KV is in and its first step starts (``kv_arrived``; at most
+``KV_ARRIVAL_WAIT_S``), so the second token follows it by one decode step, as from a
+colocated engine: the read adds to TTFT (a few ms against a prefill's hundreds) instead of
+stalling the stream after its first token. A decode call that cannot be opened, or a
+delivery that fails, falls back to passing the handoff on.
 
 ``n > 1`` is split into n single-sequence pipelines (child i gets seed + i, as in the engine)
 whose streams are merged.
@@ -31,7 +35,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable
 from typing import Any, cast
 
 from ray import serve
@@ -69,6 +73,11 @@ STATS_TTL_S = 300.0
 
 # A replica that died or became unreachable mid-call; the request may be retried elsewhere.
 REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
+
+# How long a delivered request's first token waits, at most, for its decode replica to say
+# the KV is in (a decode engine with a full batch may admit it much later: the token goes
+# out then without waiting further).
+KV_ARRIVAL_WAIT_S = 0.5
 
 
 @serve.deployment(name="PDRouter", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
@@ -161,6 +170,7 @@ class PDRouter:
         """
         opening: asyncio.Task[AsyncGenerator[StepOutput, None]] | None = None
         waiting: Followed | None = None  # the decode call the prefill replica delivered to
+        arrival: _Ahead | None = None  # its next step: kv_arrived (or its error, its end)
         tokens = list(request.resume_token_ids)
         if not tokens:
             result, waiting = await self._prefill(request)
@@ -180,9 +190,14 @@ class PDRouter:
                 self.num_handoffs_delivered += 1
             tokens = [t for delta in result.step.seqs for t in delta.token_ids]
             try:
-                yield result.step
-            except BaseException:  # the caller left after the first token
                 if waiting is not None:
+                    arrival = _Ahead(waiting)
+                    await asyncio.wait({arrival.next}, timeout=KV_ARRIVAL_WAIT_S)
+                yield result.step
+            except BaseException:  # the caller left before or after the first token
+                if waiting is not None:
+                    if arrival is not None:
+                        arrival.drop()
                     waiting.cancel()
                 else:
                     assert opening is not None
@@ -207,7 +222,7 @@ class PDRouter:
             first_steps: AsyncIterator[StepOutput]
             try:
                 if waiting is not None:
-                    first_steps = self._followed(None, waiting)
+                    first_steps = self._followed(None, waiting, arrival)
                 elif opening is None:
                     first_steps = await reopen(tokens, 0)
                 else:
@@ -258,13 +273,24 @@ class PDRouter:
         return first, steps.follow(request.request_id, first, stream)
 
     async def _followed(
-        self, first: StepOutput | None, rest: Followed
+        self, first: StepOutput | None, rest: Followed, ahead: _Ahead | None = None
     ) -> AsyncGenerator[StepOutput, None]:
+        """A decode call's steps: ``first`` (if any), then ``ahead``'s (if any, a
+        ``kv_arrived`` step dropped), then the rest."""
         try:
             if first is not None:
                 self._note(first.stats)
                 yield first
-            async for step in rest:
+            steps = aiter(rest) if ahead is None else ahead.steps
+            if ahead is not None:
+                try:
+                    step = await ahead.next
+                except StopAsyncIteration:
+                    return
+                if not step.kv_arrived:
+                    self._note(step.stats)
+                    yield step
+            async for step in steps:
                 self._note(step.stats)
                 yield step
         finally:
@@ -374,6 +400,21 @@ def _decode_request(
         trace_context=request.trace_context,
         await_handoff=await_handoff,
     )
+
+
+class _Ahead:
+    """A stream's next item, already asked for (``next``), and the stream after it."""
+
+    def __init__(self, stream: AsyncIterable[StepOutput]) -> None:
+        self.steps = aiter(stream)
+        self.next: asyncio.Future[StepOutput] = asyncio.ensure_future(anext(self.steps))
+
+    def drop(self) -> None:
+        """Nobody will take the item: stop asking, or mark its error as seen."""
+        if not self.next.done():
+            self.next.cancel()
+        elif not self.next.cancelled():
+            self.next.exception()
 
 
 async def _close_opening(opening: asyncio.Task[AsyncGenerator[StepOutput, None]]) -> None:

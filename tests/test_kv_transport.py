@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import multiprocessing
 import time
 
@@ -169,6 +170,48 @@ def test_block_reads_of_a_concurrent_batch_equal_one_engine(pair, reference):
     assert_idle(decode)
 
 
+def test_the_reads_owner_hears_of_the_first_step_once_the_blocks_are_in(pair, reference):
+    """``on_first_step`` is called once per read, when every block is in and before the step
+    that produces the request's first token here has any output (the decode replica tells
+    the PD router then, which releases the prefill's first token)."""
+    prefill, sender, decode, receiver = pair
+    tokens = prompts(2, base=90)
+    params = [SamplingParams(temperature=0, max_tokens=5)] * 2
+    want, pre = reference_and_prefilled(reference, prefill, tokens, params)
+    heard: list[tuple[int, bool, int]] = []  # (request, blocks all in, its outputs so far)
+    outputs: list[str] = []  # the request id of each output, in order
+
+    async def go() -> None:
+        for i in range(2):
+            handoff = sender.export(pre[f"p{i}"].kv_handoff)
+            kv = await receiver.receive(handoff, 5.0)
+            assert isinstance(kv, NixlBlockRead)
+            kv.on_first_step = lambda i=i, kv=kv: heard.append(
+                (i, kv.done_at is not None, outputs.count(f"d{i}"))
+            )
+            decode.add_request(
+                f"d{i}",
+                {"prompt_token_ids": tokens[i]},
+                params[i],
+                RequestOutputKind.DELTA,
+                handoff=dataclasses.replace(handoff, kv=kv),
+            )
+        final: dict[str, list[int]] = {"d0": [], "d1": []}
+        while decode.has_unfinished_requests():
+            for out in decode.step():
+                outputs.append(out.request_id)
+                final[out.request_id] += out.outputs[0].token_ids
+            await asyncio.sleep(0)
+        for i in range(2):
+            assert final[f"d{i}"] == want[f"r{i}"].outputs[0].token_ids[1:], i
+        await wait_released(prefill)
+
+    asyncio.run(go())
+    assert sorted(heard) == [(0, True, 0), (1, True, 0)]
+    assert_idle(prefill)
+    assert_idle(decode)
+
+
 def test_block_read_copies_the_prefill_blocks_exactly(pair):
     """The decode blocks hold the prefill blocks' bytes (every layer, K and V, every head)."""
     prefill, sender, decode, receiver = pair
@@ -266,6 +309,9 @@ def _fail_or_recompute(pair, reference, broken, policy_fail: bool) -> None:  # n
     params = [SamplingParams(temperature=0, max_tokens=8)] * 2
     want, pre = reference_and_prefilled(reference, prefill, tokens, params)
 
+    heard: list[int] = []  # reads whose owner heard that the request's first step starts
+    reads: list[bool] = []  # whether request i got a block read (else refused at receive)
+
     async def go() -> dict:
         requests = []
         for i in range(2):
@@ -274,8 +320,10 @@ def _fail_or_recompute(pair, reference, broken, policy_fail: bool) -> None:  # n
                 kv = await receiver.receive(handoff, 1.0)
             except (KVTransportError, RuntimeError, TimeoutError):
                 kv = None  # the decode replica's policy (deployments/decode.py) takes over
+            reads.append(isinstance(kv, NixlBlockRead))
             if isinstance(kv, NixlBlockRead):
                 kv.recompute_on_failure = not policy_fail
+                kv.on_first_step = functools.partial(heard.append, i)
             requests.append(
                 (f"d{i}", tokens[i], params[i], {"handoff": dataclasses.replace(handoff, kv=kv)})
             )
@@ -288,6 +336,7 @@ def _fail_or_recompute(pair, reference, broken, policy_fail: bool) -> None:  # n
         return final
 
     final = asyncio.run(go())
+    assert sorted(heard) == [i for i in range(2) if reads[i]]
     for i in range(2):
         out = final[f"d{i}"]
         if policy_fail:

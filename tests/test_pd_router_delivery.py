@@ -7,7 +7,9 @@ prefill's first token, then the decode tokens, each once), which decode calls we
 which were closed, for a delivered handoff, a delivery that failed (the router passes the
 handoff on and closes the waiting call), a prefill replica lost mid-call (the waiting call is
 closed and the retry opens a new one), a request that ends on its first token, and the
-handoff through the router when ``decode_first`` is off.
+handoff through the router when ``decode_first`` is off. Delivered, the first token waits
+for the decode replica's ``kv_arrived`` step (at most ``KV_ARRIVAL_WAIT_S``), which the
+client never sees.
 """
 
 from __future__ import annotations
@@ -64,11 +66,15 @@ class Call:
 
 
 class Decode:
-    """The decode deployment: every call it got, and the handoffs waiting calls expect."""
+    """The decode deployment: every call it got, and the handoffs waiting calls expect.
+    A delivered handoff's KV is in ``arrival_s`` after it came (then the ``kv_arrived`` step
+    goes out; ``events`` records when)."""
 
-    def __init__(self) -> None:
+    def __init__(self, arrival_s: float = 0.0) -> None:
         self.calls: list[tuple[DecodeRequest, Call]] = []
         self.expected: dict[str, asyncio.Future] = {}
+        self.arrival_s = arrival_s
+        self.events: list[str] = []
         decode = self
 
         class Generate:
@@ -89,6 +95,9 @@ class Decode:
             self.expected[key] = asyncio.get_running_loop().create_future()
             yield StepOutput([], len(PROMPT), kv_destination=KVDestination("decode", None, key))
             handoff = await self.expected[key]
+            await asyncio.sleep(self.arrival_s)
+            self.events.append("kv arrived")
+            yield StepOutput([], len(PROMPT), kv_arrived=True)
         assert handoff is not None and handoff.output_token_ids == [FIRST]
         for i, token in enumerate(REST):
             last = i == len(REST) - 1
@@ -154,10 +163,17 @@ def router(prefill: Prefill, decode: Decode, decode_first: bool = True) -> PDRou
     return PDRouter.func_or_class(prefill, decode, step_channels=False, decode_first=decode_first)
 
 
-async def tokens_of(pd: PDRouter) -> list[int]:
+async def tokens_of(pd: PDRouter, events: list[str] | None = None) -> list[int]:
+    """The tokens the client gets; every step it gets carries some (``events``: when the
+    first came)."""
     request = GenerateRequest("r", PROMPT, {"max_tokens": 4, "temperature": 0.0})
-    steps = [step async for step in pd.generate(request)]
-    return [t for step in steps for seq in step.seqs for t in seq.token_ids]
+    tokens = []
+    async for step in pd.generate(request):
+        assert step.seqs and not step.kv_arrived
+        if events is not None and not tokens:
+            events.append("first token")
+        tokens.extend(t for seq in step.seqs for t in seq.token_ids)
+    return tokens
 
 
 @pytest.mark.parametrize(
@@ -221,5 +237,35 @@ def test_a_caller_gone_during_the_prefill_closes_both_calls() -> None:
         ((_, call),) = decode.calls
         assert call.cancelled
         assert not pd.decode_steps.queues
+
+    asyncio.run(main())
+
+
+def test_the_first_token_waits_for_the_decode_replica_to_have_the_kv() -> None:
+    """Delivered: the first token goes out once the decode replica says the KV is in (so the
+    second follows it by one decode step), not as soon as the prefill returns it."""
+
+    async def main() -> None:
+        decode = Decode(arrival_s=0.2)
+        pd = router(Prefill(decode, ["deliver"]), decode)
+        assert await asyncio.wait_for(tokens_of(pd, decode.events), 10) == [FIRST, *REST]
+        assert decode.events == ["kv arrived", "first token"]
+
+    asyncio.run(main())
+
+
+def test_the_first_token_waits_for_the_kv_no_longer_than_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode replica that takes longer (its batch full, a slow read) than the bound: the
+    first token goes out at the bound, and every token still comes once, in order."""
+    monkeypatch.setattr("router.pd_router.KV_ARRIVAL_WAIT_S", 0.05)
+
+    async def main() -> None:
+        decode = Decode(arrival_s=0.5)
+        pd = router(Prefill(decode, ["deliver"]), decode)
+        assert await asyncio.wait_for(tokens_of(pd, decode.events), 10) == [FIRST, *REST]
+        assert decode.events == ["first token", "kv arrived"]
+        assert not pd.decode_steps.queues and pd.stats()[-1]["num_kv_refs_held"] == 0
 
     asyncio.run(main())
