@@ -424,18 +424,28 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
                         "p99_ms": max(second) * 1e3 if second else None,
                     }
                     # The prefill side's handoff per request (nixl: the ticket and, decode
-                    # first, the delivery), from the app's kv_transfer_seconds histogram.
-                    figures = handoff_figures(before[name], after, {}).values()
-                    summary["export_ms"] = next((f["export_mean_ms"] for f in figures), None)
+                    # first, the delivery) and the decode side's import (ticket in to blocks
+                    # in: decode first, what the first token waits for besides a hop), from
+                    # the app's kv_transfer_seconds histogram.
+                    figures = list(handoff_figures(before[name], after, {}).values())
+                    for stage in ("export", "import"):
+                        summary[f"{stage}_ms"] = next(
+                            (f[f"{stage}_mean_ms"] for f in figures), None
+                        )
                     rows[f"{length}/{name}"] = summary
                     print_e2e(length, name, summary)
-                tpot = rows[f"{length}/colocated"]["tpot"]["p50_ms"]
-                ratios = []
-                for name in apps:
-                    second = rows[f"{length}/{name}"]["second_token"]["p50_ms"]
-                    if tpot and second is not None:
-                        ratios.append(f"{name} {second / tpot:.2f}x")
-                print(f"{length:>5} tok 2nd token p50 / colocated TPOT p50: " + ", ".join(ratios))
+                colocated = rows.get(f"{length}/colocated")
+                for figure, over, label in (
+                    ("second_token", "tpot", "2nd token p50 / colocated TPOT p50"),
+                    ("ttft", "ttft", "TTFT p50 / colocated TTFT p50"),
+                ):
+                    base = colocated[over]["p50_ms"] if colocated else None
+                    ratios = []
+                    for name in apps:
+                        value = rows[f"{length}/{name}"][figure]["p50_ms"]
+                        if base and value is not None:
+                            ratios.append(f"{name} {value / base:.3f}x")
+                    print(f"{length:>5} tok {label}: " + ", ".join(ratios))
 
     asyncio.run(load())
     for name in apps:
@@ -457,7 +467,11 @@ def print_e2e(length: int, name: str, s: dict) -> None:
         f"{length:>5} tok {name:<16} ok {s['completed']}/{s['completed'] + s['failed']}  "
         f"TTFT {pair('ttft')}  TPOT {pair('tpot')}  2nd token {pair('second_token')} ms "
         f"(p50 / p99)"
-        + ("" if s["export_ms"] is None else f"  export {s['export_ms']:.2f} ms/request"),
+        + "".join(
+            f"  {stage} {s[f'{stage}_ms']:.2f} ms/request"
+            for stage in ("export", "import")
+            if s[f"{stage}_ms"] is not None
+        ),
         flush=True,
     )
 

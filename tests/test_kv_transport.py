@@ -18,7 +18,15 @@ import pytest
 import torch
 
 from deployments.kv_transport import KVTransportConfig, KVTransportError, make_transport
-from deployments.nixl_transport import NixlAgentInfo, NixlBlockRead, NixlTicket, NixlTransport
+from deployments.nixl_transport import (
+    NOTIFY_POLL_MAX_S,
+    NOTIFY_POLL_MIN_S,
+    NOTIFY_POLL_SHARE,
+    NixlAgentInfo,
+    NixlBlockRead,
+    NixlTicket,
+    NixlTransport,
+)
 from neuron_runtime import EngineArgs, LLMEngine, RequestOutputKind, SamplingParams
 from neuron_runtime.kv_layout import HUGE_PAGE_BYTES, KVLayout, read_descriptors, use_huge_pages
 from neuron_runtime.kv_transfer import KVHandoff, KVPayload
@@ -556,6 +564,21 @@ def test_huge_pages_keep_the_regions_contents():
     if allowed:  # the two 4.7 MiB regions hold at least one aligned 2 MiB page each
         assert moved >= 2 * HUGE_PAGE_BYTES
     assert use_huge_pages([regions[2]]) == 0
+
+
+def test_notifications_are_polled_as_often_as_the_oldest_waiting_call_needs():
+    """No call waiting: every NOTIFY_POLL_MAX_S. Else 1/NOTIFY_POLL_SHARE of the oldest
+    waiting call's wait so far (its delivery's notice costs its TTFT that share at most),
+    bounded on both sides."""
+    transport = NixlTransport("UCX", 30.0)
+    assert transport._poll_interval() == NOTIFY_POLL_MAX_S
+    now = time.monotonic()
+    transport._expected_at = {"new": now}
+    assert transport._poll_interval() == NOTIFY_POLL_MIN_S
+    transport._expected_at = {"old": now - 0.32, "new": now}
+    assert transport._poll_interval() == pytest.approx(0.32 / NOTIFY_POLL_SHARE, rel=0.05)
+    transport._expected_at = {"old": now - 60.0}
+    assert transport._poll_interval() == NOTIFY_POLL_MAX_S
 
 
 def test_config_names_the_transport():
