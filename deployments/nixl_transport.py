@@ -47,16 +47,17 @@ agent and that key) back at once; the router sends the prefill call with it; the
 replica exports as above, then sends the handoff itself (this agent's info and the ticket) to
 the decode agent as a NIXL notification, loading that agent once. The decode replica's watch
 of its notifications hands it to the waiting call, which reads as above. So the handoff does
-not travel prefill -> router -> decode on the second token's path: the first token goes out
-through the router while the decode replica already reads. A handoff that arrives for a call
-no longer waiting (the client left, the call timed out) is declined: a notification back
-frees its blocks on the prefill replica at once.
+not travel prefill -> router -> decode: the router holds the first token only until the
+decode replica says the blocks are in (deployments/decode.py), and the second token follows
+it by one decode step. A handoff that arrives for a call no longer waiting (the client
+left, the call timed out) is declined: a notification back frees its blocks on the prefill
+replica at once.
 
     router: decode.generate(await_handoff) -> first step: destination(agent, key)
             prefill.prefill(kv_destination)
     prefill replica: export, then notification "handoff" + (key, handoff) ---> decode agent
-    decode replica: the waiting call takes it, reads the blocks, steps; first token already
-                    on its way to the client through the router
+    decode replica: the waiting call takes it, reads the blocks, streams kv_arrived as the
+                    request's first step starts; the router releases the first token then
 
 The prefill replica frees the blocks on that notification or ``hold_timeout_s`` after the
 export, whichever comes first; the decode side gives up a read that has not completed a
