@@ -15,13 +15,17 @@ one more step before its tokens: ``kv_arrived``, as soon as the blocks are in an
 engine's first step for the request starts (at once for a payload or a recompute). The
 router holds the first token until then, so the client sees the second one step after it,
 as from a colocated engine; the read's time goes to the first token instead, as when a
-decode engine produces the first token itself (vLLM's and Dynamo's PD).
+decode engine produces the first token itself (vLLM's and Dynamo's PD). When ``kv_arrived``
+is slow to come (``RECEIPT_QUIET_S`` after the handoff came: a full batch), a
+``kv_received`` step goes before it: the router, which takes a delivery that says nothing
+for long as lost with its prefill replica, then knows this one is here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import time
 import uuid
@@ -37,6 +41,17 @@ from neuron_runtime import RequestOutput, RequestOutputKind, SamplingParams, tra
 from neuron_runtime.kv_transfer import KVBlockSource, KVHandoff, KVMetadata, KVPayload
 
 logger = logging.getLogger("ray.serve")
+
+# How long after a delivered handoff came its ``kv_arrived`` step may take before a
+# ``kv_received`` step goes out first (well under the router's KV_DELIVERY_WAIT_S).
+RECEIPT_QUIET_S = 0.25
+
+
+class _Mark(enum.Enum):
+    """What ``_announcing`` puts among a delivered request's outputs."""
+
+    RECEIVED = "kv_received"
+    ARRIVED = "kv_arrived"
 
 
 class KVFetchError(RuntimeError):
@@ -82,6 +97,7 @@ class DecodeServer(EngineReplica):
 
     async def _steps(self, request: DecodeRequest) -> AsyncGenerator[StepOutput, None]:
         delivered = request.await_handoff
+        received_at = 0.0
         if request.await_handoff:
             key = f"{request.request_id}@{uuid.uuid4().hex[:12]}"
             destination = self.transport.expect(key)
@@ -95,6 +111,7 @@ class DecodeServer(EngineReplica):
                 ) from exc
             finally:
                 self.transport.forget(key)
+            received_at = time.monotonic()
             request = dataclasses.replace(request, handoff=handoff, await_handoff=False)
         start = time.perf_counter()
         kv, transfer = await self._receive(request)
@@ -115,12 +132,15 @@ class DecodeServer(EngineReplica):
             )
         )
         if delivered:
-            outputs = _announcing(outputs, self._arrival(kv))
+            quiet_until = received_at + RECEIPT_QUIET_S
+            outputs = _announcing(outputs, self._arrival(kv), quiet_until)
         first = True
         try:
             async for out in outputs:
-                if out is None:
-                    yield StepOutput([], len(request.prompt_token_ids), kv_arrived=True)
+                if isinstance(out, _Mark):
+                    arrived = out is _Mark.ARRIVED
+                    num_prompt = len(request.prompt_token_ids)
+                    yield StepOutput([], num_prompt, kv_arrived=arrived, kv_received=not arrived)
                     continue
                 step = to_step_output(out)
                 if first:
@@ -207,17 +227,22 @@ class DecodeServer(EngineReplica):
 
 
 async def _announcing(
-    outputs: AsyncIterator[RequestOutput], arrived: asyncio.Future[None]
-) -> AsyncGenerator[RequestOutput | None, None]:
-    """``outputs`` after a None, which comes once ``arrived`` resolves or the first output is
-    there, whichever is first (a read that failed ends in an output). Closing this closes
-    ``outputs``."""
+    outputs: AsyncIterator[RequestOutput], arrived: asyncio.Future[None], quiet_until: float
+) -> AsyncGenerator[RequestOutput | _Mark, None]:
+    """``outputs`` after ``_Mark.ARRIVED``, which comes once ``arrived`` resolves or the
+    first output is there, whichever is first (a read that failed ends in an output); a
+    ``_Mark.RECEIVED`` before it if neither came by ``quiet_until`` (monotonic). Closing this
+    closes ``outputs``."""
     iterator = aiter(outputs)
     ahead = asyncio.ensure_future(anext(iterator))
     try:
         either: set[asyncio.Future[Any]] = {ahead, arrived}
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        yield None
+        quiet_s = max(0.0, quiet_until - time.monotonic())
+        done, _ = await asyncio.wait(either, timeout=quiet_s, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            yield _Mark.RECEIVED
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        yield _Mark.ARRIVED
         try:
             out = await ahead
         except StopAsyncIteration:

@@ -133,6 +133,10 @@ class StepOutput:
     # engine's first step for it starts (the router passes the first token on then, so the
     # second follows it by one step).
     kv_arrived: bool = False
+    # Sent before ``kv_arrived`` only when that step is slow to come (a full batch): the
+    # handoff was delivered here and the request is in the engine, which ends it in time
+    # (read, or recompute). The router's bound on a lost delivery stops there.
+    kv_received: bool = False
 
 
 @dataclass

@@ -39,7 +39,14 @@ MAX_MIGRATIONS = 3
 REOPEN_DEADLINE_S = 60.0
 REOPEN_RETRY_S = 0.5
 
-_LOST = (ActorDiedError, ActorUnavailableError, RayActorError, ChannelLost)
+
+class KVDeliveryLost(RuntimeError):
+    """A handoff its prefill replica delivered to a decode call never reached it: that
+    replica died before the delivery went out (router/pd_router.py). The request resumes on
+    a decode replica like one whose replica was lost."""
+
+
+_LOST = (ActorDiedError, ActorUnavailableError, RayActorError, ChannelLost, KVDeliveryLost)
 
 
 class MigrationFailed(RuntimeError):

@@ -18,7 +18,11 @@ the decode replica says the KV is in and its first step starts (``kv_arrived``; 
 ``KV_ARRIVAL_WAIT_S``), so the second token follows it by one decode step, as from a
 colocated engine: the read adds to TTFT (a few ms against a prefill's hundreds) instead of
 stalling the stream after its first token. A decode call that cannot be opened, or a
-delivery that fails, falls back to passing the handoff on.
+delivery that fails, falls back to passing the handoff on. A delivery the prefill replica
+sent but the decode replica never got (the prefill replica died before its notification
+went out) is taken as lost after ``KV_DELIVERY_WAIT_S`` without a word from the decode
+call (``kv_arrived``, or ``kv_received`` when the KV is slow to come): the call is closed
+and the request resumes on a decode replica, as after a lost one (router/migration.py).
 
 ``n > 1`` is split into n single-sequence pipelines (child i gets seed + i, as in the engine)
 whose streams are merged.
@@ -57,6 +61,7 @@ from neuron_runtime.kv_transfer import KVHandoff
 from router.encoder_router import EncoderRouter
 from router.migration import (
     MAX_MIGRATIONS,
+    KVDeliveryLost,
     Migrating,
     is_replica_lost,
     merged,
@@ -78,6 +83,11 @@ REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
 # the KV is in (a decode engine with a full batch may admit it much later: the token goes
 # out then without waiting further).
 KV_ARRIVAL_WAIT_S = 0.5
+
+# How long after the prefill returned a delivered handoff the decode call may say nothing
+# (it says ``kv_received`` within decode.RECEIPT_QUIET_S of the handoff coming) before the
+# delivery is taken as lost.
+KV_DELIVERY_WAIT_S = 5.0
 
 
 @serve.deployment(name="PDRouter", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256)
@@ -284,9 +294,17 @@ class PDRouter:
             steps = aiter(rest) if ahead is None else ahead.steps
             if ahead is not None:
                 try:
-                    step = await ahead.next
+                    step = await ahead.within(KV_DELIVERY_WAIT_S)
+                    if step.kv_received:
+                        step = await anext(steps)
                 except StopAsyncIteration:
                     return
+                except KVDeliveryLost:
+                    logger.warning(
+                        "the KV delivered for %s never reached its decode call: resuming it",
+                        rest.request_id,
+                    )
+                    raise
                 if not step.kv_arrived:
                     self._note(step.stats)
                     yield step
@@ -403,11 +421,23 @@ def _decode_request(
 
 
 class _Ahead:
-    """A stream's next item, already asked for (``next``), and the stream after it."""
+    """A stream's next item, already asked for (``next``) when the stream was taken, and
+    the stream after it."""
 
     def __init__(self, stream: AsyncIterable[StepOutput]) -> None:
         self.steps = aiter(stream)
         self.next: asyncio.Future[StepOutput] = asyncio.ensure_future(anext(self.steps))
+        self.since = time.monotonic()
+
+    async def within(self, seconds: float) -> StepOutput:
+        """The next item, if it comes within ``seconds`` of the stream being taken; else
+        KVDeliveryLost (the item is dropped)."""
+        left = self.since + seconds - time.monotonic()
+        done, _ = await asyncio.wait({self.next}, timeout=max(0.0, left))
+        if not done:
+            self.drop()
+            raise KVDeliveryLost(f"the decode call said nothing for {seconds} s after delivery")
+        return self.next.result()
 
     def drop(self) -> None:
         """Nobody will take the item: stop asking, or mark its error as seen."""

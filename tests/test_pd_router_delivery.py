@@ -9,12 +9,15 @@ handoff on and closes the waiting call), a prefill replica lost mid-call (the wa
 closed and the retry opens a new one), a request that ends on its first token, and the
 handoff through the router when ``decode_first`` is off. Delivered, the first token waits
 for the decode replica's ``kv_arrived`` step (at most ``KV_ARRIVAL_WAIT_S``), which the
-client never sees.
+client never sees. A delivery the prefill reported but the decode call never got (its
+sender died) resumes the request on a decode replica after ``KV_DELIVERY_WAIT_S``, unless
+the decode call said ``kv_received``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -68,12 +71,13 @@ class Call:
 class Decode:
     """The decode deployment: every call it got, and the handoffs waiting calls expect.
     A delivered handoff's KV is in ``arrival_s`` after it came (then the ``kv_arrived`` step
-    goes out; ``events`` records when)."""
+    goes out; ``events`` records when), a ``kv_received`` step first if ``received``."""
 
-    def __init__(self, arrival_s: float = 0.0) -> None:
+    def __init__(self, arrival_s: float = 0.0, received: bool = False) -> None:
         self.calls: list[tuple[DecodeRequest, Call]] = []
         self.expected: dict[str, asyncio.Future] = {}
         self.arrival_s = arrival_s
+        self.received = received
         self.events: list[str] = []
         decode = self
 
@@ -95,10 +99,14 @@ class Decode:
             self.expected[key] = asyncio.get_running_loop().create_future()
             yield StepOutput([], len(PROMPT), kv_destination=KVDestination("decode", None, key))
             handoff = await self.expected[key]
+            if self.received:
+                yield StepOutput([], len(PROMPT), kv_received=True)
             await asyncio.sleep(self.arrival_s)
             self.events.append("kv arrived")
             yield StepOutput([], len(PROMPT), kv_arrived=True)
-        assert handoff is not None and handoff.output_token_ids == [FIRST]
+        # With a handoff, or resumed after the first token (recomputed here).
+        done = request.resume_token_ids if handoff is None else handoff.output_token_ids
+        assert done == [FIRST]
         for i, token in enumerate(REST):
             last = i == len(REST) - 1
             yield StepOutput(
@@ -126,7 +134,8 @@ class Response:
 class Prefill:
     """The prefill deployment: ``outcomes`` says what each call does in turn: "deliver" (to
     the destination it names), "keep" (its delivery failed: the handoff returns), "lost"
-    (the replica died), "end" (the request ends on its first token)."""
+    (the replica died), "end" (the request ends on its first token), "vanish" (it says
+    delivered, but the delivery never reaches the decode call)."""
 
     def __init__(self, decode: Decode, outcomes: list[str]) -> None:
         self.requests: list[GenerateRequest] = []
@@ -153,8 +162,8 @@ class Prefill:
         if finished:
             return PrefillResult(step)
         handoff = KVHandoff(KVMetadata("m", "h", "float32", 1, 1, 1, len(PROMPT), ()), [FIRST])
-        delivered = outcome == "deliver" and request.kv_destination is not None
-        if delivered:
+        delivered = outcome in ("deliver", "vanish") and request.kv_destination is not None
+        if delivered and outcome == "deliver":
             self.decode.expected[request.kv_destination.key].set_result(handoff)
         return PrefillResult(step, handoff, delivered=delivered)
 
@@ -269,3 +278,78 @@ def test_the_first_token_waits_for_the_kv_no_longer_than_the_bound(
         assert not pd.decode_steps.queues and pd.stats()[-1]["num_kv_refs_held"] == 0
 
     asyncio.run(main())
+
+
+def test_a_delivery_that_never_came_resumes_the_request_on_a_decode_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The prefill replica said delivered, then died before the delivery went out: the
+    waiting call is closed after KV_DELIVERY_WAIT_S and the request resumes after its first
+    token on a decode replica (which recomputes it); the client gets every token once."""
+    monkeypatch.setattr("router.pd_router.KV_DELIVERY_WAIT_S", 0.2)
+
+    async def main() -> None:
+        decode = Decode()
+        pd = router(Prefill(decode, ["vanish"]), decode)
+        assert await asyncio.wait_for(tokens_of(pd), 10) == [FIRST, *REST]
+        (waited, first_call), (resumed, second_call) = decode.calls
+        assert waited.await_handoff and first_call.cancelled
+        assert not resumed.await_handoff and resumed.handoff is None
+        assert resumed.resume_token_ids == [FIRST] and not second_call.cancelled
+        own = pd.stats()[-1]
+        assert own["num_migrations"] == 1 and own["num_kv_refs_held"] == 0
+        assert not pd.decode_steps.queues and not pd.decode_steps.owners
+
+    asyncio.run(main())
+
+
+def test_a_decode_call_that_said_kv_received_is_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The KV comes later than KV_DELIVERY_WAIT_S, but the decode call said it has the
+    handoff: no migration, one decode call, every token once."""
+    monkeypatch.setattr("router.pd_router.KV_DELIVERY_WAIT_S", 0.1)
+    monkeypatch.setattr("router.pd_router.KV_ARRIVAL_WAIT_S", 0.05)
+
+    async def main() -> None:
+        decode = Decode(arrival_s=0.4, received=True)
+        pd = router(Prefill(decode, ["deliver"]), decode)
+        assert await asyncio.wait_for(tokens_of(pd), 10) == [FIRST, *REST]
+        ((_, call),) = decode.calls
+        assert not call.cancelled
+        assert pd.stats()[-1]["num_migrations"] == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("arrival_s", "first_output_s", "marks"),
+    [
+        # The KV in at once: kv_arrived only, then the outputs.
+        (0.0, 0.3, ["kv_arrived"]),
+        # Slower than RECEIPT_QUIET_S: kv_received goes first.
+        (0.4, 0.6, ["kv_received", "kv_arrived"]),
+        # No arrival signal (a failed read ends in an output): the output ends the wait.
+        (None, 0.4, ["kv_received", "kv_arrived"]),
+    ],
+)
+def test_the_decode_replica_says_kv_received_only_when_the_kv_is_slow(
+    arrival_s: float | None, first_output_s: float, marks: list[str]
+) -> None:
+    from deployments import decode
+
+    async def outputs():  # noqa: ANN202
+        await asyncio.sleep(first_output_s)
+        yield "out 1"
+        yield "out 2"
+
+    async def main() -> list:
+        loop = asyncio.get_running_loop()
+        arrived = loop.create_future()
+        if arrival_s is not None:
+            loop.call_later(arrival_s, arrived.set_result, None)
+        quiet_until = time.monotonic() + decode.RECEIPT_QUIET_S
+        return [out async for out in decode._announcing(outputs(), arrived, quiet_until)]
+
+    seen = asyncio.run(main())
+    assert [getattr(out, "value", out) for out in seen] == [*marks, "out 1", "out 2"]
