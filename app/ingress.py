@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import time
 import uuid
@@ -348,8 +349,12 @@ class OpenAIIngress:
 
     async def _open(self, request: GenerateRequest, retries: int = 0) -> PromptStream:
         """Submits the request; one whose replica is lost before its first step (nothing was
-        sent to the client yet) is submitted again, up to ``retries`` times."""
+        sent to the client yet) is submitted again, up to ``retries`` times, under an id of
+        its own (``.r1``...: the lost replica's calls downstream may still hold the first)."""
+        first_id = request.request_id
         for attempt in range(retries + 1):
+            if attempt:
+                request = dataclasses.replace(request, request_id=f"{first_id}.r{attempt}")
             self.steps.expect(request.request_id)
             try:
                 return await self._submit(request)

@@ -183,7 +183,7 @@ class PDRouter:
         arrival: _Ahead | None = None  # its next step: kv_arrived (or its error, its end)
         tokens = list(request.resume_token_ids)
         if not tokens:
-            result, waiting = await self._prefill(request)
+            result, waiting, request = await self._prefill(request)
             self._note(result.step.stats)
             if result.handoff is None:
                 yield result.step
@@ -317,14 +317,21 @@ class PDRouter:
     def _migrated(self) -> None:
         self.num_migrations += 1
 
-    async def _prefill(self, request: GenerateRequest) -> tuple[PrefillResult, Followed | None]:
-        """One prefill call, retried once on another replica if the replica was lost.
+    async def _prefill(
+        self, request: GenerateRequest
+    ) -> tuple[PrefillResult, Followed | None, GenerateRequest]:
+        """One prefill call, retried once on another replica if the replica was lost; the
+        request as the attempt that returned sent it (a retry goes under an id of its own,
+        ``.r1``...: calls of the lost attempt may still hold the first on a decode replica).
 
         With ``decode_first`` each attempt first opens a decode call that waits for the
         handoff, and the prefill call names it as the destination; returned with the result
         when the handoff was delivered to it (else closed, and None).
         """
+        first_id = request.request_id
         for attempt in range(self.prefill_retries + 1):
+            if attempt:
+                request = dataclasses.replace(request, request_id=f"{first_id}.r{attempt}")
             waiting = await self._await_handoff(request) if self.decode_first else None
             call = request
             if waiting is not None:
@@ -344,11 +351,11 @@ class PDRouter:
                 )
                 continue
             if waiting is None:
-                return result, None
+                return result, None, request
             if result.handoff is None or not result.delivered:
                 waiting[1].cancel()
-                return result, None
-            return result, waiting[1]
+                return result, None, request
+            return result, waiting[1], request
         raise AssertionError("unreachable")
 
     async def _await_handoff(
