@@ -249,6 +249,11 @@ class BuildArgs(BaseModel):
     # one at most this many times, then ends with an error (router/migration.py).
     max_migrations: int = Field(3, ge=0)
     health_stall_timeout_s: float = Field(30.0, gt=0)
+    # The nice value of every serving-path thread but the engines' own (Ray's and Serve's
+    # threads and the event loop in each engine replica, the ingress and PD router replicas):
+    # they then preempt the engine's kernel threads less (deployments/thread_priority.py).
+    # Only ever raised; 0 leaves every thread as it is.
+    serving_threads_nice: int = Field(10, ge=0, le=19)
 
     @field_validator("engine_args")
     @classmethod
@@ -458,6 +463,7 @@ def build_openai_app(
                 args.health_stall_timeout_s,
                 tracing_config=args.tracing.model_dump(),
                 accuracy=args.accuracy.config(),
+                serving_threads_nice=args.serving_threads_nice,
             )
         )
     embedder = (
@@ -477,6 +483,7 @@ def build_openai_app(
         "image_limits": args.multimodal.image_limits(),
         "tracing": args.tracing.model_dump(),
         "profiler": args.profiler.model_dump(),
+        "serving_threads_nice": args.serving_threads_nice,
     }
     return (
         as_deployment(OpenAIIngress).options(**(ingress_options or {})).bind(llm, embedder, config)
@@ -520,6 +527,7 @@ def _disaggregated(
             transport,
             tracing_config=args.tracing.model_dump(),
             accuracy=args.accuracy.config(),
+            serving_threads_nice=args.serving_threads_nice,
         )
     )
     decode = (
@@ -540,6 +548,7 @@ def _disaggregated(
             transport,
             tracing_config=args.tracing.model_dump(),
             kv_delivery_timeout_s=pd.kv_delivery_timeout_s,
+            serving_threads_nice=args.serving_threads_nice,
         )
     )
     encoder = None
@@ -574,6 +583,7 @@ def _disaggregated(
             tracing_config=args.tracing.model_dump(),
             max_migrations=args.max_migrations,
             decode_first=pd.kv_transport == "nixl" and pd.kv_decode_first,
+            serving_threads_nice=args.serving_threads_nice,
         )
     )
 

@@ -60,6 +60,7 @@ from app.sampling import (
 from app.text import SequenceText, chat_logprobs, completion_logprobs, prompt_logprobs
 from app.tools import ToolSetup, hermes_conversation, template_message, tool_setup
 from deployments.protocol import GenerateRequest, ImagePart
+from deployments.thread_priority import lower_priority, thread_ids
 from neuron_runtime import tracing
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.multimodal import place_images, vision_spec
@@ -94,6 +95,8 @@ class IngressConfig:
     tracing: dict[str, Any] = field(default_factory=dict)
     # ProfilerConfig fields (app/profiling.py): where /start_profile's traces go.
     profiler: dict[str, Any] = field(default_factory=dict)
+    # This replica's threads run at this nice value (deployments/thread_priority.py).
+    serving_threads_nice: int = 0
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0.25})
@@ -135,6 +138,8 @@ class OpenAIIngress:
         )
         self.model_type = str(engine_config.model.text_config.get("model_type", ""))
         self.profiles = ProfileControl(ProfilerConfig(**self.config.profiler))
+        # The engine replicas' kernel threads first (deployments/thread_priority.py).
+        lower_priority(thread_ids(), self.config.serving_threads_nice)
 
     def _sse(self, events: AsyncIterator[str]) -> StreamingResponse:
         interval_s = self.config.stream_batching_interval_ms / 1000

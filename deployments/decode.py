@@ -78,13 +78,21 @@ class DecodeServer(EngineReplica):
         kv_transport: KVTransportConfig | None = None,
         tracing_config: dict[str, Any] | None = None,
         kv_delivery_timeout_s: float = 600.0,
+        serving_threads_nice: int = 0,
     ) -> None:
-        super().__init__(engine_args, engine_cls, stall_timeout_s, tracing_config)
+        super().__init__(
+            engine_args,
+            engine_cls,
+            stall_timeout_s,
+            tracing_config,
+            serving_threads_nice=serving_threads_nice,
+        )
         self.kv_fetch_timeout_s = kv_fetch_timeout_s
         self.kv_delivery_timeout_s = kv_delivery_timeout_s
         self.on_kv_failure = on_kv_failure
         self.transport = make_transport(kv_transport or KVTransportConfig())
         self.transport.attach(self.engine.engine, self.engine.abort)
+        self.lower_serving_threads()
 
     async def generate(
         self, request: DecodeRequest, subscriber: str | None = None

@@ -19,6 +19,7 @@ from deployments import ray_metrics
 from deployments.profiling import ProfiledReplica
 from deployments.protocol import ChannelRequest, ImagePart, SeqDelta, StepOutput
 from deployments.step_channel import StepPublisher
+from deployments.thread_priority import lower_priority, thread_ids
 from neuron_runtime import AsyncEngine, EngineArgs, tracing
 from neuron_runtime.accuracy.online import OnlineValidationConfig, OnlineValidator
 from neuron_runtime.multimodal import MultiModalInput
@@ -46,7 +47,11 @@ class EngineReplica(ProfiledReplica):
         stall_timeout_s: float = 30.0,
         tracing_config: dict[str, Any] | None = None,
         accuracy: OnlineValidationConfig | None = None,
+        serving_threads_nice: int = 0,
     ) -> None:
+        # The threads there are before the engine's: lowered once it runs (lower_serving_threads).
+        self._serving_threads = thread_ids()
+        self.serving_threads_nice = serving_threads_nice
         tracing.configure(tracing_config, self.trace_role)
         # Several replicas, the ingress and Ray share the CPUs: oversubscribed thread pools
         # slow every process down (PERF.md). The engine's pools (the CPU kernels' and torch's)
@@ -77,6 +82,14 @@ class EngineReplica(ProfiledReplica):
             self.online_validation = OnlineValidator(
                 accuracy, self.metrics.observe_online_check, self.metrics.observe_online_drop
             ).attach(self.engine.engine)
+
+    def lower_serving_threads(self) -> None:
+        """Raises the nice value of the threads this replica had before its engine (Ray's and
+        Serve's, the event loop serving its calls) to ``serving_threads_nice``, so the engine's
+        threads keep their cores (deployments/thread_priority.py). The last step of a
+        replica's construction: threads made before it (the engine's, a KV transport's) keep
+        the default."""
+        lower_priority(self._serving_threads, self.serving_threads_nice)
 
     def stats(self) -> dict[str, Any]:
         stats = {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}

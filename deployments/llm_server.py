@@ -7,6 +7,7 @@ token ids in and streams token ids (+ logprobs and finish info) out, as plain da
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from ray import serve
 
@@ -24,6 +25,10 @@ from neuron_runtime.kv_transfer import KVHandoff, KVMetadata
     health_check_timeout_s=10,
 )
 class LLMServer(EngineReplica):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lower_serving_threads()
+
     """Serves ``generate`` streams from one engine (prefill and decode together)."""
 
     async def generate(

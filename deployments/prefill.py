@@ -48,10 +48,14 @@ class PrefillServer(EngineReplica):
         kv_transport: KVTransportConfig | None = None,
         tracing_config: dict[str, Any] | None = None,
         accuracy: OnlineValidationConfig | None = None,
+        serving_threads_nice: int = 0,
     ) -> None:
-        super().__init__(engine_args, engine_cls, stall_timeout_s, tracing_config, accuracy)
+        super().__init__(
+            engine_args, engine_cls, stall_timeout_s, tracing_config, accuracy, serving_threads_nice
+        )
         self.transport = make_transport(kv_transport or KVTransportConfig())
         self.transport.attach(self.engine.engine, self.engine.abort)
+        self.lower_serving_threads()
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         """Runs the prompt; ValueError (invalid prompt or params) reaches the caller."""

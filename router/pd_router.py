@@ -56,6 +56,7 @@ from deployments.protocol import (
     StepOutput,
 )
 from deployments.step_channel import StepPublisher
+from deployments.thread_priority import lower_priority, thread_ids
 from neuron_runtime import tracing
 from neuron_runtime.kv_transfer import KVHandoff
 from router.encoder_router import EncoderRouter
@@ -102,6 +103,7 @@ class PDRouter:
         tracing_config: dict[str, Any] | None = None,
         max_migrations: int = MAX_MIGRATIONS,
         decode_first: bool = False,
+        serving_threads_nice: int = 0,
     ) -> None:
         tracing.configure(tracing_config, "router")
         self.prefill = prefill
@@ -126,6 +128,8 @@ class PDRouter:
         self.decode_steps = StepSubscriber(
             self.decode, f"pd:{self.replica_id}", min_requests=2 if step_channels else None
         )
+        # The engine replicas' kernel threads first (deployments/thread_priority.py).
+        lower_priority(thread_ids(), serving_threads_nice)
 
     async def generate(
         self, request: GenerateRequest, subscriber: str | None = None

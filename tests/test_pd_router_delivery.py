@@ -219,7 +219,6 @@ def test_the_client_gets_each_token_once_whichever_way_the_handoff_went(
     asyncio.run(main())
 
 
-
 def test_a_prefill_retry_goes_under_an_id_of_its_own() -> None:
     """The lost attempt's waiting call may still hold the request's id on the decode replica
     (its cancel is on its way): the retry's prefill and decode calls use ``r.r1``."""
@@ -233,6 +232,7 @@ def test_a_prefill_retry_goes_under_an_id_of_its_own() -> None:
         assert [r.request_id for r, _ in decode.calls] == ["r", "r.r1"]
 
     asyncio.run(main())
+
 
 def test_a_request_that_ends_on_its_first_token_closes_the_waiting_call() -> None:
     async def main() -> None:

@@ -1,0 +1,106 @@
+"""Serving threads behind the engine's: the nice values deployments/thread_priority.py sets,
+read back from the kernel, and which threads of an engine replica keep the default."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+
+from deployments.thread_priority import lower_priority, thread_ids
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice is Linux's")
+
+
+def _nice(tid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+def _in_thread(fn):  # noqa: ANN001, ANN202 - runs fn on a thread of its own, returns its result
+    out: dict = {}
+
+    def run() -> None:
+        out["tid"] = threading.get_native_id()
+        out["value"] = fn()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return out["tid"], out["value"]
+
+
+def test_only_the_threads_named_are_raised_and_their_new_threads_inherit() -> None:
+    here = _nice(threading.get_native_id())
+
+    def raised_then_spawn() -> tuple[int, int, int]:
+        me = threading.get_native_id()
+        changed = lower_priority({me}, here + 3)
+        child, _ = _in_thread(lambda: None)  # made by a raised thread
+        inner: dict = {}
+
+        def child_nice() -> None:
+            inner["nice"] = _nice(threading.get_native_id())
+
+        t = threading.Thread(target=child_nice)
+        t.start()
+        t.join()
+        return changed, _nice(me), inner["nice"]
+
+    _, (changed, raised, inherited) = _in_thread(raised_then_spawn)
+    assert changed == 1 and raised == here + 3 and inherited == here + 3
+    assert _nice(threading.get_native_id()) == here  # the caller's own thread untouched
+
+
+def test_a_value_is_never_lowered_and_zero_changes_nothing() -> None:
+    def run() -> tuple[int, int, int]:
+        me = threading.get_native_id()
+        lower_priority({me}, 7)
+        lowered = lower_priority({me}, 4)  # below the current value: left as it is
+        off = lower_priority({me}, 0)
+        return lowered, off, _nice(me)
+
+    _, (lowered, off, nice) = _in_thread(run)
+    assert lowered == 0 and off == 0 and nice == max(7, _nice(threading.get_native_id()))
+
+
+def test_an_ended_thread_is_skipped() -> None:
+    tid, _ = _in_thread(lambda: None)
+    assert tid not in thread_ids()
+    assert lower_priority({tid}, 5) == 0
+
+
+def test_an_engine_replica_raises_its_builder_thread_but_not_its_engines(
+    tiny_llama_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built on a thread of its own (as Serve builds a replica on its event loop's thread),
+    with the threads "there before" narrowed to that one (the test process's own stay as
+    they are): it is raised once the replica is built, while the threads made during the
+    build (the engine loop; the kernel pool's worker unless an earlier test made it) keep the
+    default."""
+    from deployments import engine_replica
+    from deployments.llm_server import LLMServer
+
+    monkeypatch.setattr(engine_replica, "thread_ids", lambda: {threading.get_native_id()})
+    before = thread_ids()
+    engine_args = {
+        "model": str(tiny_llama_path),
+        "max_model_len": 128,
+        "num_kv_blocks": 16,
+        "num_threads": 2,
+    }
+    here = _nice(threading.get_native_id())
+
+    def build():  # noqa: ANN202
+        server = LLMServer.func_or_class(engine_args, serving_threads_nice=here + 6)
+        return server, _nice(threading.get_native_id())
+
+    _, (server, builder_nice) = _in_thread(build)
+    try:
+        made = thread_ids() - before
+        assert server.engine._thread.native_id in made
+        assert builder_nice == here + 6
+        assert all(_nice(tid) == here for tid in made)
+    finally:
+        server.engine.shutdown()
