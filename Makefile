@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER = 0
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE = 1
+# Ray starts its workers at nice 15 (its daemons and the C++ threads in each worker at 0): at 0
+# the engines' kernel threads do not yield to those (deployments/thread_priority.py).
+export RAY_worker_niceness ?= 0
 export TRANSFORMERS_OFFLINE = 1
 
 .PHONY: install model test test-fast test-xla lint bench bench-peers vllm-env serve serve-colocated serve-epd bench-serve bench-serve-vllm bench-pd kuberay clean

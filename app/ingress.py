@@ -95,7 +95,8 @@ class IngressConfig:
     tracing: dict[str, Any] = field(default_factory=dict)
     # ProfilerConfig fields (app/profiling.py): where /start_profile's traces go.
     profiler: dict[str, Any] = field(default_factory=dict)
-    # This replica's threads run at this nice value (deployments/thread_priority.py).
+    # This replica's threads run this many nice steps behind the engines' (their Ray worker
+    # niceness; deployments/thread_priority.py).
     serving_threads_nice: int = 0
 
 

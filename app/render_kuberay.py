@@ -53,6 +53,10 @@ DASHBOARD_ENV = {
     "RAY_GRAFANA_HOST": "http://prometheus-grafana.prometheus-system.svc:80",
     "RAY_GRAFANA_IFRAME_HOST": "http://127.0.0.1:3000",
 }
+# Ray starts its workers (every Serve replica) at nice 15 while its own daemons and the C++
+# threads inside each worker stay at 0; at 0 the engines' kernel threads no longer yield to
+# those, and the serving threads are put behind them instead (deployments/thread_priority.py).
+SCHEDULING_ENV = {"RAY_worker_niceness": "0"}
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 # libfabric's EFA provider as NIXL's LIBFABRIC backend uses it inside a Ray worker pod.
 EFA_ENV = {
@@ -195,7 +199,7 @@ def _pod(container: dict[str, Any], node_pool: dict[str, str], taint: str | None
 def manifest(target: Target, image: str = DEFAULT_IMAGE) -> dict[str, Any]:
     """The RayService without serveConfigV2 (render() adds it as the file's text)."""
     acc = target.accelerator
-    cache_env = {acc.cache_env: CACHE_MOUNT}
+    cache_env = {acc.cache_env: CACHE_MOUNT, **SCHEDULING_ENV}
     metrics = {"metrics-export-port": str(METRICS_PORT)}
     head = _container("ray-head", image, 4, "16Gi", {}, {**DASHBOARD_ENV, **cache_env})
     cpu_worker = _container("ray-worker", image, 16, "64Gi", {}, cache_env)

@@ -12,6 +12,8 @@ import os
 import socket
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Workers at nice 0, as `make serve` starts them (deployments/thread_priority.py).
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def start_local_serve(num_cpus: int = 4) -> int:

@@ -19,7 +19,7 @@ from deployments import ray_metrics
 from deployments.profiling import ProfiledReplica
 from deployments.protocol import ChannelRequest, ImagePart, SeqDelta, StepOutput
 from deployments.step_channel import StepPublisher
-from deployments.thread_priority import lower_priority, thread_ids
+from deployments.thread_priority import current_nice, lower_priority, thread_ids
 from neuron_runtime import AsyncEngine, EngineArgs, tracing
 from neuron_runtime.accuracy.online import OnlineValidationConfig, OnlineValidator
 from neuron_runtime.multimodal import MultiModalInput
@@ -49,8 +49,10 @@ class EngineReplica(ProfiledReplica):
         accuracy: OnlineValidationConfig | None = None,
         serving_threads_nice: int = 0,
     ) -> None:
-        # The threads there are before the engine's: lowered once it runs (lower_serving_threads).
+        # The threads there are before the engine's: lowered once it runs (lower_serving_threads),
+        # behind the engine's, which start at this thread's value.
         self._serving_threads = thread_ids()
+        self._engine_nice = current_nice()
         self.serving_threads_nice = serving_threads_nice
         tracing.configure(tracing_config, self.trace_role)
         # Several replicas, the ingress and Ray share the CPUs: oversubscribed thread pools
@@ -84,12 +86,12 @@ class EngineReplica(ProfiledReplica):
             ).attach(self.engine.engine)
 
     def lower_serving_threads(self) -> None:
-        """Raises the nice value of the threads this replica had before its engine (Ray's and
-        Serve's, the event loop serving its calls) to ``serving_threads_nice``, so the engine's
-        threads keep their cores (deployments/thread_priority.py). The last step of a
+        """Puts the threads this replica had before its engine (Ray's and Serve's, the event
+        loop serving its calls) ``serving_threads_nice`` steps behind the engine's, so those
+        keep their cores (deployments/thread_priority.py). The last step of a
         replica's construction: threads made before it (the engine's, a KV transport's) keep
         the default."""
-        lower_priority(self._serving_threads, self.serving_threads_nice)
+        lower_priority(self._serving_threads, self.serving_threads_nice, self._engine_nice)
 
     def stats(self) -> dict[str, Any]:
         stats = {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}

@@ -4,11 +4,13 @@ An engine replica's kernel threads fill the cores it was given, one parallel ker
 after another, each call waiting for its slowest thread. Every other thread of the serving
 path (Ray's and Serve's own threads, the replica's event loop, the ingress and PD router
 processes) that wakes on those cores preempts a kernel thread, and the whole call waits for
-it: on a 2-vCPU host the served engine made 0.70-0.73x the offline engine's tokens at
-concurrency 16 while those threads took about a tenth of the CPU. With their nice value
-raised (``serving_threads_nice``, 10 by default) they run on what the kernel threads leave
-and preempt them less: +10-13% output tokens at concurrency 16 in the same runs
-(bench/serve.py, README "Served throughput").
+it. Worse, Ray starts its workers at nice 15 (``worker_niceness``) while its daemons and the
+C++ threads inside each worker (gRPC, I/O) stay at 0, so the kernel threads yield to all of
+those. Here every such thread but the engine's is put ``serving_threads_nice`` steps (10 by
+default) behind the engine's threads, at most at 19; clusters this project starts (the
+Makefile, bench/, the KubeRay manifests) set ``RAY_worker_niceness=0``, so the engine runs at
+0 and the rest at 10. bench/serve.py measures it (``-same-priority`` configs; README "Served
+throughput").
 
 Only ever raised: an unprivileged process may not lower a nice value, so the threads that
 must keep the default (the engine loop, the kernel pool, a KV transport's reader) are those
@@ -20,7 +22,11 @@ changes.
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from collections.abc import Iterable
+
+MAX_NICE = 19
 
 
 def thread_ids() -> set[int]:
@@ -31,16 +37,26 @@ def thread_ids() -> set[int]:
         return set()
 
 
-def lower_priority(threads: Iterable[int], nice: int) -> int:
-    """Raises the nice value of each thread in ``threads`` to ``nice`` (one already at or above
-    it is left as it is); how many were changed. 0 changes nothing."""
-    if nice <= 0:
+def current_nice() -> int:
+    """The calling thread's nice value (the value the threads it starts inherit); 0 off
+    Linux."""
+    if sys.platform != "linux":
         return 0
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def lower_priority(threads: Iterable[int], steps: int, base: int | None = None) -> int:
+    """Raises the nice value of each thread in ``threads`` to ``steps`` above ``base`` (the
+    engine's threads' value; by default the calling thread's), at most 19; one already at or
+    above that is left as it is. How many were changed; ``steps`` 0 changes nothing."""
+    if steps <= 0 or sys.platform != "linux":
+        return 0
+    target = min(MAX_NICE, (current_nice() if base is None else base) + steps)
     changed = 0
     for tid in threads:
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            if os.getpriority(os.PRIO_PROCESS, tid) < target:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
                 changed += 1
         except OSError:  # the thread ended meanwhile
             continue

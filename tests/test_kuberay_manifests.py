@@ -238,3 +238,14 @@ def test_the_shipped_manifests_by_name() -> None:
     ]
     for target in TARGETS:
         assert load(target)["kind"] == "RayService"
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_every_ray_node_starts_its_workers_at_nice_0(name: str) -> None:
+    """Ray's default (15) would put the engines' kernel threads behind Ray's own daemons and
+    the C++ threads of every worker (deployments/thread_priority.py)."""
+    cluster = load(name)["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        (container,) = group["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["RAY_worker_niceness"] == "0"

@@ -53,16 +53,21 @@ def test_only_the_threads_named_are_raised_and_their_new_threads_inherit() -> No
     assert _nice(threading.get_native_id()) == here  # the caller's own thread untouched
 
 
-def test_a_value_is_never_lowered_and_zero_changes_nothing() -> None:
-    def run() -> tuple[int, int, int]:
+def test_a_value_is_never_lowered_zero_changes_nothing_and_19_is_the_cap() -> None:
+    here = _nice(threading.get_native_id())
+
+    def run() -> tuple[int, int, int, int]:
         me = threading.get_native_id()
         lower_priority({me}, 7)
-        lowered = lower_priority({me}, 4)  # below the current value: left as it is
+        lowered = lower_priority({me}, 4, base=here)  # below its value now: left as it is
         off = lower_priority({me}, 0)
-        return lowered, off, _nice(me)
+        seven = _nice(me)
+        lower_priority({me}, 50)
+        return lowered, off, seven, _nice(me)
 
-    _, (lowered, off, nice) = _in_thread(run)
-    assert lowered == 0 and off == 0 and nice == max(7, _nice(threading.get_native_id()))
+    _, (lowered, off, seven, capped) = _in_thread(run)
+    assert lowered == 0 and off == 0
+    assert seven == min(19, here + 7) and capped == 19
 
 
 def test_an_ended_thread_is_skipped() -> None:
