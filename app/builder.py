@@ -249,11 +249,12 @@ class BuildArgs(BaseModel):
     # one at most this many times, then ends with an error (router/migration.py).
     max_migrations: int = Field(3, ge=0)
     health_stall_timeout_s: float = Field(30.0, gt=0)
-    # How many nice steps every serving-path thread but the engines' own (Ray's and Serve's
-    # threads and the event loop in each engine replica, the ingress and PD router replicas)
-    # runs behind the engines' threads (at most at 19): they preempt the kernel threads less
-    # (deployments/thread_priority.py). Only ever raised; 0 leaves every thread as it is.
-    serving_threads_nice: int = Field(10, ge=0, le=19)
+    # Every serving-path thread but the engines' own (Ray's and Serve's threads and the event
+    # loop in each engine replica, the ingress and PD router replicas) runs at least this many
+    # nice steps behind the engines' threads (deployments/thread_priority.py): 0 lifts none
+    # above them, so Ray's C++ threads, which it leaves at 0 while its workers run at 15, no
+    # longer preempt the kernel threads. None leaves every thread as Ray set it.
+    serving_threads_nice: int | None = Field(0, ge=0, le=19)
 
     @field_validator("engine_args")
     @classmethod

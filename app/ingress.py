@@ -95,9 +95,10 @@ class IngressConfig:
     tracing: dict[str, Any] = field(default_factory=dict)
     # ProfilerConfig fields (app/profiling.py): where /start_profile's traces go.
     profiler: dict[str, Any] = field(default_factory=dict)
-    # This replica's threads run this many nice steps behind the engines' (their Ray worker
-    # niceness; deployments/thread_priority.py).
-    serving_threads_nice: int = 0
+    # This replica's threads run at least this many nice steps behind its Python threads
+    # (at Ray's worker niceness, as the engines'; deployments/thread_priority.py); None:
+    # as Ray set them.
+    serving_threads_nice: int | None = None
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0.25})
@@ -139,8 +140,9 @@ class OpenAIIngress:
         )
         self.model_type = str(engine_config.model.text_config.get("model_type", ""))
         self.profiles = ProfileControl(ProfilerConfig(**self.config.profiler))
-        # The engine replicas' kernel threads first (deployments/thread_priority.py).
-        lower_priority(thread_ids(), self.config.serving_threads_nice)
+        # No thread ahead of the engines' (deployments/thread_priority.py).
+        if self.config.serving_threads_nice is not None:
+            lower_priority(thread_ids(), self.config.serving_threads_nice)
 
     def _sse(self, events: AsyncIterator[str]) -> StreamingResponse:
         interval_s = self.config.stream_batching_interval_ms / 1000

@@ -106,12 +106,14 @@ THROUGHPUT_OPTIMIZED_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
 }
-# "<config>-same-priority": every serving thread at the engine's priority
-# (serving_threads_nice 0, deployments/thread_priority.py).
-SAME_PRIORITY = "-same-priority"
+# Thread priorities (deployments/thread_priority.py): "<config>-ray-priorities" leaves every
+# thread as Ray set it (serving_threads_nice None); "<config>-serving-behind" puts the serving
+# threads 10 nice steps behind the engine's.
+PRIORITY_VARIANTS: dict[str, int | None] = {"-ray-priorities": None, "-serving-behind": 10}
 for _name in list(CONFIGS):
     CONFIGS[_name + THROUGHPUT_OPTIMIZED] = CONFIGS[_name]
-    CONFIGS[_name + SAME_PRIORITY] = CONFIGS[_name]
+    for _suffix in PRIORITY_VARIANTS:
+        CONFIGS[_name + _suffix] = CONFIGS[_name]
 VLLM_VENV = Path(
     os.environ.get("VLLM_CPU_VENV", Path.home() / ".cache" / "neuron-serve" / "vllm-cpu-venv")
 )
@@ -331,6 +333,10 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
         for option in options.values():
             actor = option["ray_actor_options"] = dict(option["ray_actor_options"])
             actor["runtime_env"] = {"env_vars": THROUGHPUT_OPTIMIZED_ENV}
+    priority: dict[str, int | None] = {}
+    for suffix, nice in PRIORITY_VARIANTS.items():
+        if name.endswith(suffix):
+            priority["serving_threads_nice"] = nice
     build = BuildArgs(
         mode=mode,
         max_model_len=args.max_model_len,
@@ -338,7 +344,7 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
         step_channels=step_channels,
         stream_batching_interval_ms=batching_ms,
         num_threads=args.served_threads,
-        **({"serving_threads_nice": 0} if name.endswith(SAME_PRIORITY) else {}),
+        **priority,
         engine_args={
             "max_num_seqs": args.max_num_seqs,
             "kv_cache_memory_bytes": args.kv_cache_mib << 20,

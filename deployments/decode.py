@@ -78,7 +78,7 @@ class DecodeServer(EngineReplica):
         kv_transport: KVTransportConfig | None = None,
         tracing_config: dict[str, Any] | None = None,
         kv_delivery_timeout_s: float = 600.0,
-        serving_threads_nice: int = 0,
+        serving_threads_nice: int | None = None,
     ) -> None:
         super().__init__(
             engine_args,

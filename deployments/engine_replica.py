@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -24,6 +25,8 @@ from neuron_runtime import AsyncEngine, EngineArgs, tracing
 from neuron_runtime.accuracy.online import OnlineValidationConfig, OnlineValidator
 from neuron_runtime.multimodal import MultiModalInput
 from neuron_runtime.outputs import RequestOutput
+
+logger = logging.getLogger("ray.serve")
 
 
 def replica_num_threads() -> int | None:
@@ -47,12 +50,18 @@ class EngineReplica(ProfiledReplica):
         stall_timeout_s: float = 30.0,
         tracing_config: dict[str, Any] | None = None,
         accuracy: OnlineValidationConfig | None = None,
-        serving_threads_nice: int = 0,
+        serving_threads_nice: int | None = None,
     ) -> None:
         # The threads there are before the engine's: lowered once it runs (lower_serving_threads),
         # behind the engine's, which start at this thread's value.
         self._serving_threads = thread_ids()
         self._engine_nice = current_nice()
+        if self._engine_nice > 0:
+            logger.warning(
+                "the engine's threads run at nice %d (Ray's worker_niceness), behind Ray's own "
+                "daemons and threads: start Ray with RAY_worker_niceness=0, as the Makefile does",
+                self._engine_nice,
+            )
         self.serving_threads_nice = serving_threads_nice
         tracing.configure(tracing_config, self.trace_role)
         # Several replicas, the ingress and Ray share the CPUs: oversubscribed thread pools
@@ -87,11 +96,12 @@ class EngineReplica(ProfiledReplica):
 
     def lower_serving_threads(self) -> None:
         """Puts the threads this replica had before its engine (Ray's and Serve's, the event
-        loop serving its calls) ``serving_threads_nice`` steps behind the engine's, so those
-        keep their cores (deployments/thread_priority.py). The last step of a
+        loop serving its calls) at least ``serving_threads_nice`` steps behind the engine's,
+        so none preempts them (deployments/thread_priority.py). The last step of a
         replica's construction: threads made before it (the engine's, a KV transport's) keep
         the default."""
-        lower_priority(self._serving_threads, self.serving_threads_nice, self._engine_nice)
+        if self.serving_threads_nice is not None:
+            lower_priority(self._serving_threads, self.serving_threads_nice, self._engine_nice)
 
     def stats(self) -> dict[str, Any]:
         stats = {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}

@@ -48,7 +48,7 @@ class PrefillServer(EngineReplica):
         kv_transport: KVTransportConfig | None = None,
         tracing_config: dict[str, Any] | None = None,
         accuracy: OnlineValidationConfig | None = None,
-        serving_threads_nice: int = 0,
+        serving_threads_nice: int | None = None,
     ) -> None:
         super().__init__(
             engine_args, engine_cls, stall_timeout_s, tracing_config, accuracy, serving_threads_nice

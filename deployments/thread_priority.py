@@ -1,22 +1,29 @@
-"""Thread priorities in the serving processes: the engine's kernel threads first.
+"""Thread priorities in the serving processes: no thread ahead of the engine's.
 
 An engine replica's kernel threads fill the cores it was given, one parallel kernel call
-after another, each call waiting for its slowest thread. Every other thread of the serving
-path (Ray's and Serve's own threads, the replica's event loop, the ingress and PD router
-processes) that wakes on those cores preempts a kernel thread, and the whole call waits for
-it. Worse, Ray starts its workers at nice 15 (``worker_niceness``) while its daemons and the
-C++ threads inside each worker (gRPC, I/O) stay at 0, so the kernel threads yield to all of
-those. Here every such thread but the engine's is put ``serving_threads_nice`` steps (10 by
-default) behind the engine's threads, at most at 19; clusters this project starts (the
-Makefile, bench/, the KubeRay manifests) set ``RAY_worker_niceness=0``, so the engine runs at
-0 and the rest at 10. bench/serve.py measures it (``-same-priority`` configs; README "Served
-throughput").
+after another, each call waiting for its slowest thread; every other thread that wakes on
+those cores preempts a kernel thread and the whole call waits for it. Ray starts its workers
+(every Serve replica) at nice 15 (``worker_niceness``), while the C++ threads it started in
+each worker before that (gRPC, I/O, the GCS client) and its daemons stay at 0: the engine's
+threads, and the Python threads that feed them (the replica's event loop, the ingress, the
+PD router), then yield to all of those. Measured side by side on 2 vCPUs (bench/serve.py,
+README "Served throughput"):
 
-Only ever raised: an unprivileged process may not lower a nice value, so the threads that
-must keep the default (the engine loop, the kernel pool, a KV transport's reader) are those
-created before the raise, by a thread that still had it. Threads created later by a raised
-thread inherit its value. Linux only (a per-thread nice, /proc/self/task); elsewhere nothing
-changes.
+- workers at nice 0 (``RAY_worker_niceness=0``: the Makefile, bench/ and the KubeRay
+  manifests start Ray so) serve as many tokens as any other setting tried, with every
+  thread at one priority;
+- on a cluster left at 15, raising the threads that outrank the engine's to its value gains
+  9.5% (colocated) and 17% (disaggregated) at concurrency 16;
+- putting the serving threads behind the engine's (nice 10 against 0) loses 10-13%: the
+  event loop that hands the engine its requests and passes its tokens on is on the critical
+  path too.
+
+So each serving replica raises every thread that outranks its engine's threads (or, in the
+ingress and PD router, its own Python threads) to their value, plus ``serving_threads_nice``
+(0 by default). Only ever raised: an unprivileged process may not lower a nice value, so the
+threads that keep theirs (the engine loop, the kernel pool, a KV transport's reader) are
+those created before the raise. Linux only (a per-thread nice, /proc/self/task); elsewhere
+nothing changes.
 """
 
 from __future__ import annotations
@@ -48,8 +55,8 @@ def current_nice() -> int:
 def lower_priority(threads: Iterable[int], steps: int, base: int | None = None) -> int:
     """Raises the nice value of each thread in ``threads`` to ``steps`` above ``base`` (the
     engine's threads' value; by default the calling thread's), at most 19; one already at or
-    above that is left as it is. How many were changed; ``steps`` 0 changes nothing."""
-    if steps <= 0 or sys.platform != "linux":
+    above that is left as it is. How many were changed."""
+    if steps < 0 or sys.platform != "linux":
         return 0
     target = min(MAX_NICE, (current_nice() if base is None else base) + steps)
     changed = 0

@@ -103,7 +103,7 @@ class PDRouter:
         tracing_config: dict[str, Any] | None = None,
         max_migrations: int = MAX_MIGRATIONS,
         decode_first: bool = False,
-        serving_threads_nice: int = 0,
+        serving_threads_nice: int | None = None,
     ) -> None:
         tracing.configure(tracing_config, "router")
         self.prefill = prefill
@@ -128,8 +128,9 @@ class PDRouter:
         self.decode_steps = StepSubscriber(
             self.decode, f"pd:{self.replica_id}", min_requests=2 if step_channels else None
         )
-        # The engine replicas' kernel threads first (deployments/thread_priority.py).
-        lower_priority(thread_ids(), serving_threads_nice)
+        # No thread ahead of the engines' (deployments/thread_priority.py).
+        if serving_threads_nice is not None:
+            lower_priority(thread_ids(), serving_threads_nice)
 
     async def generate(
         self, request: GenerateRequest, subscriber: str | None = None
