@@ -12,15 +12,20 @@ import os
 import socket
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# Workers at nice 0, as `make serve` starts them (deployments/thread_priority.py).
-os.environ.setdefault("RAY_worker_niceness", "0")
+# Workers at nice 0, as `make serve` starts them (deployments/thread_priority.py); Ray's
+# config variables keep their lower-case names.
+NICENESS_VAR = "RAY_worker_niceness"
+DEFAULT_NICENESS = os.environ.setdefault(NICENESS_VAR, "0")
 
 
-def start_local_serve(num_cpus: int = 4) -> int:
-    """Starts the cluster and Serve on a free port of 127.0.0.1; returns the port."""
+def start_local_serve(num_cpus: int = 4, worker_niceness: int | None = None) -> int:
+    """Starts the cluster and Serve on a free port of 127.0.0.1; returns the port. Its workers
+    run at ``worker_niceness`` (default: RAY_worker_niceness, 0 unless set)."""
     import ray
     from ray import serve
 
+    # Read by the raylet ray.init starts.
+    os.environ[NICENESS_VAR] = DEFAULT_NICENESS if worker_niceness is None else str(worker_niceness)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

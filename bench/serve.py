@@ -110,8 +110,13 @@ THROUGHPUT_OPTIMIZED_ENV = {
 # thread as Ray set it (serving_threads_nice None); "<config>-serving-behind" puts the serving
 # threads 10 nice steps behind the engine's.
 PRIORITY_VARIANTS: dict[str, int | None] = {"-ray-priorities": None, "-serving-behind": 10}
+# "<config>-workers-at-15": the config on a local cluster of its own whose workers run at
+# Ray's default nice 15 (the others' at RAY_worker_niceness, 0 unless set:
+# bench/local_cluster.py), in the same round.
+WORKERS_AT_15 = "-workers-at-15"
 for _name in list(CONFIGS):
     CONFIGS[_name + THROUGHPUT_OPTIMIZED] = CONFIGS[_name]
+    CONFIGS[_name + WORKERS_AT_15] = CONFIGS[_name]
     for _suffix in PRIORITY_VARIANTS:
         CONFIGS[_name + _suffix] = CONFIGS[_name]
 VLLM_VENV = Path(
@@ -319,6 +324,12 @@ def engine_threads(name: str) -> int:
     options = deployment_options(CONFIGS[name][2])
     deployment = "LLMServer" if CONFIGS[name][0] == "colocated" else "DecodeServer"
     return max(1, math.ceil(round(options[deployment]["ray_actor_options"]["num_cpus"], 4)))
+
+
+def worker_niceness(name: str) -> int | None:
+    """The nice value the config's cluster starts its workers at (None: RAY_worker_niceness,
+    0 unless set)."""
+    return 15 if name.endswith(WORKERS_AT_15) else None
 
 
 def deploy(name: str, args: argparse.Namespace, port: int) -> str:
@@ -839,16 +850,20 @@ def serve_rounds(
         if not args.start_server:
             load("serve", args.base_url.rstrip("/"), cluster_processes, round_no)
             continue
-        port = start_local_serve(num_cpus=8)
-        try:
-            for name in args.configs.split(","):
-                url = deploy(name, args, port)
-                try:
-                    load(name, url, cluster_processes, round_no)
-                finally:
-                    serve.delete(name)
-        finally:
-            stop_local_serve()
+        names = args.configs.split(",")
+        for niceness in dict.fromkeys(worker_niceness(name) for name in names):
+            port = start_local_serve(num_cpus=8, worker_niceness=niceness)
+            try:
+                for name in names:
+                    if worker_niceness(name) != niceness:
+                        continue
+                    url = deploy(name, args, port)
+                    try:
+                        load(name, url, cluster_processes, round_no)
+                    finally:
+                        serve.delete(name)
+            finally:
+                stop_local_serve()
     return acc.rows(slo, concurrencies)
 
 
