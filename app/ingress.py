@@ -141,8 +141,7 @@ class OpenAIIngress:
         self.model_type = str(engine_config.model.text_config.get("model_type", ""))
         self.profiles = ProfileControl(ProfilerConfig(**self.config.profiler))
         # No thread ahead of the engines' (deployments/thread_priority.py).
-        if self.config.serving_threads_nice is not None:
-            lower_priority(thread_ids(), self.config.serving_threads_nice)
+        lower_priority(thread_ids(), self.config.serving_threads_nice)
 
     def _sse(self, events: AsyncIterator[str]) -> StreamingResponse:
         interval_s = self.config.stream_batching_interval_ms / 1000

@@ -100,8 +100,7 @@ class EngineReplica(ProfiledReplica):
         so none preempts them (deployments/thread_priority.py). The last step of a
         replica's construction: threads made before it (the engine's, a KV transport's) keep
         the default."""
-        if self.serving_threads_nice is not None:
-            lower_priority(self._serving_threads, self.serving_threads_nice, self._engine_nice)
+        lower_priority(self._serving_threads, self.serving_threads_nice, self._engine_nice)
 
     def stats(self) -> dict[str, Any]:
         stats = {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}

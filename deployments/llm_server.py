@@ -25,11 +25,11 @@ from neuron_runtime.kv_transfer import KVHandoff, KVMetadata
     health_check_timeout_s=10,
 )
 class LLMServer(EngineReplica):
+    """Serves ``generate`` streams from one engine (prefill and decode together)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lower_serving_threads()
-
-    """Serves ``generate`` streams from one engine (prefill and decode together)."""
 
     async def generate(
         self, request: GenerateRequest, subscriber: str | None = None

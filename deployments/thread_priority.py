@@ -53,11 +53,11 @@ def current_nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-def lower_priority(threads: Iterable[int], steps: int, base: int | None = None) -> int:
+def lower_priority(threads: Iterable[int], steps: int | None, base: int | None = None) -> int:
     """Raises the nice value of each thread in ``threads`` to ``steps`` above ``base`` (the
     engine's threads' value; by default the calling thread's), at most 19; one already at or
-    above that is left as it is. How many were changed."""
-    if steps < 0 or sys.platform != "linux":
+    above that is left as it is. How many were changed; ``steps`` None changes nothing."""
+    if steps is None or steps < 0 or sys.platform != "linux":
         return 0
     target = min(MAX_NICE, (current_nice() if base is None else base) + steps)
     changed = 0

@@ -129,8 +129,7 @@ class PDRouter:
             self.decode, f"pd:{self.replica_id}", min_requests=2 if step_channels else None
         )
         # No thread ahead of the engines' (deployments/thread_priority.py).
-        if serving_threads_nice is not None:
-            lower_priority(thread_ids(), serving_threads_nice)
+        lower_priority(thread_ids(), serving_threads_nice)
 
     async def generate(
         self, request: GenerateRequest, subscriber: str | None = None
