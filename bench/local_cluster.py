@@ -16,16 +16,24 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # config variables keep their lower-case names.
 NICENESS_VAR = "RAY_worker_niceness"
 DEFAULT_NICENESS = os.environ.setdefault(NICENESS_VAR, "0")
+# The variables the running cluster was started with beyond this process's own.
+_cluster_env: dict[str, str] = {}
 
 
-def start_local_serve(num_cpus: int = 4, worker_niceness: int | None = None) -> int:
+def start_local_serve(
+    num_cpus: int = 4, worker_niceness: int | None = None, env: dict[str, str] | None = None
+) -> int:
     """Starts the cluster and Serve on a free port of 127.0.0.1; returns the port. Its workers
-    run at ``worker_niceness`` (default: RAY_worker_niceness, 0 unless set)."""
+    run at ``worker_niceness`` (default: RAY_worker_niceness, 0 unless set), and every Ray
+    process it starts (raylet, workers, Serve's controller) sees ``env`` on top of this
+    process's environment."""
     import ray
     from ray import serve
 
-    # Read by the raylet ray.init starts.
+    # Read by the raylet ray.init starts, which its workers inherit.
     os.environ[NICENESS_VAR] = DEFAULT_NICENESS if worker_niceness is None else str(worker_niceness)
+    _cluster_env.update(env or {})
+    os.environ.update(_cluster_env)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -46,3 +54,6 @@ def stop_local_serve() -> None:
 
     serve.shutdown()
     ray.shutdown()
+    for key in _cluster_env:
+        os.environ.pop(key, None)
+    _cluster_env.clear()

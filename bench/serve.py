@@ -110,13 +110,15 @@ THROUGHPUT_OPTIMIZED_ENV = {
 # thread as Ray set it (serving_threads_nice None); "<config>-serving-behind" puts the serving
 # threads 10 nice steps behind the engine's.
 PRIORITY_VARIANTS: dict[str, int | None] = {"-ray-priorities": None, "-serving-behind": 10}
-# "<config>-workers-at-15": the config on a local cluster of its own whose workers run at
-# Ray's default nice 15 (the others' at RAY_worker_niceness, 0 unless set:
-# bench/local_cluster.py), in the same round.
+# Configs on a local cluster of their own, in the same round: "<config>-workers-at-15" with
+# its workers at Ray's default nice 15 (the others' at RAY_worker_niceness, 0 unless set:
+# bench/local_cluster.py); "<config>-haproxy" with HAProxy in place of Serve's HTTP proxy.
 WORKERS_AT_15 = "-workers-at-15"
+SERVE_PROXY = "-haproxy"
 for _name in list(CONFIGS):
     CONFIGS[_name + THROUGHPUT_OPTIMIZED] = CONFIGS[_name]
     CONFIGS[_name + WORKERS_AT_15] = CONFIGS[_name]
+    CONFIGS[_name + SERVE_PROXY] = CONFIGS[_name]
     for _suffix in PRIORITY_VARIANTS:
         CONFIGS[_name + _suffix] = CONFIGS[_name]
 VLLM_VENV = Path(
@@ -326,10 +328,11 @@ def engine_threads(name: str) -> int:
     return max(1, math.ceil(round(options[deployment]["ray_actor_options"]["num_cpus"], 4)))
 
 
-def worker_niceness(name: str) -> int | None:
-    """The nice value the config's cluster starts its workers at (None: RAY_worker_niceness,
-    0 unless set)."""
-    return 15 if name.endswith(WORKERS_AT_15) else None
+def cluster_of(name: str) -> tuple[int | None, tuple[tuple[str, str], ...]]:
+    """The config's local cluster: the nice value it starts its workers at (None:
+    RAY_worker_niceness, 0 unless set) and the variables its Ray processes get."""
+    env = (("RAY_SERVE_ENABLE_HA_PROXY", "1"),) if name.endswith(SERVE_PROXY) else ()
+    return (15 if name.endswith(WORKERS_AT_15) else None), env
 
 
 def deploy(name: str, args: argparse.Namespace, port: int) -> str:
@@ -851,11 +854,11 @@ def serve_rounds(
             load("serve", args.base_url.rstrip("/"), cluster_processes, round_no)
             continue
         names = args.configs.split(",")
-        for niceness in dict.fromkeys(worker_niceness(name) for name in names):
-            port = start_local_serve(num_cpus=8, worker_niceness=niceness)
+        for cluster in dict.fromkeys(cluster_of(name) for name in names):
+            port = start_local_serve(num_cpus=8, worker_niceness=cluster[0], env=dict(cluster[1]))
             try:
                 for name in names:
-                    if worker_niceness(name) != niceness:
+                    if cluster_of(name) != cluster:
                         continue
                     url = deploy(name, args, port)
                     try:

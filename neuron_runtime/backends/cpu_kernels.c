@@ -18,6 +18,7 @@
 #include <linux/futex.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -83,7 +84,14 @@ static inline int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* Spins until (*addr == value) == equal, for at most SPIN_NS; returns whether it came. */
+/*
+ * Spins until (*addr == value) == equal, for at most SPIN_NS; returns whether it came.
+ * Between rounds of 64 pauses it yields its core: on a host shared with other processes (a
+ * Serve replica beside its ingress, HTTP proxy and Ray's daemons) a thread that waits here
+ * would otherwise keep a core from a runnable one until preempted, and that one may be the
+ * engine's own thread that issues the next kernel call; alone on its core, sched_yield comes
+ * straight back.
+ */
 static int spin_until(_Atomic uint32_t *addr, uint32_t value, int equal) {
     const int64_t until = now_ns() + SPIN_NS;
     for (;;) {
@@ -92,6 +100,7 @@ static int spin_until(_Atomic uint32_t *addr, uint32_t value, int equal) {
             cpu_relax();
         }
         if (now_ns() > until) return 0;
+        sched_yield();
     }
 }
 
