@@ -40,16 +40,21 @@ from neuron_runtime.model_store import resolve_model  # noqa: E402
 # vector of the widest width the compiler targets; `iters` rounds of one FMA on each.
 FMA_LOOP = r"""
 typedef float v __attribute__((vector_size(VBYTES)));
+#define EACH(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 long fma_loop(long iters, float seed) {
-    v a = {0}, b = {0}, acc[12] = {{0}};
+    v a, b;
     for (int l = 0; l < VBYTES / 4; l++) { a[l] = seed; b[l] = 1.0f - seed; }
-    for (int k = 0; k < 12; k++) acc[k] = a * (float)k;
+#define INIT(k) v s##k = a * (float)k;
+    EACH(INIT)
     for (long i = 0; i < iters; i++) {
-        for (int k = 0; k < 12; k++) acc[k] = acc[k] * a + b;
-        __asm__ volatile("" : "+x"(acc[0]), "+x"(acc[1]), "+x"(acc[2]), "+x"(acc[3]));
+#define STEP(k) s##k = s##k * a + b;
+        EACH(STEP)
     }
+    v t = {0};
+#define SUM(k) t += s##k;
+    EACH(SUM)
     float s = 0;
-    for (int k = 0; k < 12; k++) for (int l = 0; l < VBYTES / 4; l++) s += acc[k][l];
+    for (int l = 0; l < VBYTES / 4; l++) s += t[l];
     return (long)s;
 }
 int vector_bytes(void) { return VBYTES; }
