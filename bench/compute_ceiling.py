@@ -73,8 +73,17 @@ def build_fma_loop() -> ctypes.CDLL:
     src, lib = tmp / "fma.c", tmp / "fma.so"
     src.write_text(FMA_LOOP.replace("VBYTES", str(vector_bytes())))
     subprocess.run(
-        [cc, "-O2", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", str(src), "-o",
-         str(lib)],
+        [
+            cc,
+            "-O2",
+            "-march=native",
+            "-ffp-contract=fast",
+            "-shared",
+            "-fPIC",
+            str(src),
+            "-o",
+            str(lib),
+        ],
         check=True,
     )
     dll = ctypes.CDLL(str(lib))
@@ -103,7 +112,8 @@ def fma_peak(dll: ctypes.CDLL, threads: int, repeats: int, iters: int = 20_000_0
 def load_flops(model: str, requests: int, input_len: int, output_len: int) -> dict[str, float]:
     """Linear-layer flops of the load: decoder layers on every position, logits on outputs."""
     config = json.loads((resolve_model(model) / "config.json").read_text())
-    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    layers = config["num_hidden_layers"]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or h // heads
     kv = config.get("num_key_value_heads", heads) * head_dim
