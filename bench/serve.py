@@ -114,11 +114,11 @@ PRIORITY_VARIANTS: dict[str, int | None] = {"-ray-priorities": None, "-serving-b
 # its workers at Ray's default nice 15 (the others' at RAY_worker_niceness, 0 unless set:
 # bench/local_cluster.py); "<config>-haproxy" with HAProxy in place of Serve's HTTP proxy.
 WORKERS_AT_15 = "-workers-at-15"
-SERVE_PROXY = "-haproxy"
+HAPROXY = "-haproxy"
 for _name in list(CONFIGS):
     CONFIGS[_name + THROUGHPUT_OPTIMIZED] = CONFIGS[_name]
     CONFIGS[_name + WORKERS_AT_15] = CONFIGS[_name]
-    CONFIGS[_name + SERVE_PROXY] = CONFIGS[_name]
+    CONFIGS[_name + HAPROXY] = CONFIGS[_name]
     for _suffix in PRIORITY_VARIANTS:
         CONFIGS[_name + _suffix] = CONFIGS[_name]
 VLLM_VENV = Path(
@@ -331,7 +331,7 @@ def engine_threads(name: str) -> int:
 def cluster_of(name: str) -> tuple[int | None, tuple[tuple[str, str], ...]]:
     """The config's local cluster: the nice value it starts its workers at (None:
     RAY_worker_niceness, 0 unless set) and the variables its Ray processes get."""
-    env = (("RAY_SERVE_ENABLE_HA_PROXY", "1"),) if name.endswith(SERVE_PROXY) else ()
+    env = (("RAY_SERVE_ENABLE_HA_PROXY", "1"),) if name.endswith(HAPROXY) else ()
     return (15 if name.endswith(WORKERS_AT_15) else None), env
 
 
