@@ -853,7 +853,10 @@ def serve_rounds(
         if not args.start_server:
             load("serve", args.base_url.rstrip("/"), cluster_processes, round_no)
             continue
-        names = args.configs.split(",")
+        # Every other round in the reverse order (A B, B A, ...): in a round the later apps
+        # ran faster than the same app first (a plain A/A pair differed by up to 6% by its
+        # place alone), so a fixed order favoured whichever came later.
+        names = args.configs.split(",")[:: -1 if round_no % 2 else 1]
         for cluster in dict.fromkeys(cluster_of(name) for name in names):
             port = start_local_serve(num_cpus=8, worker_niceness=cluster[0], env=dict(cluster[1]))
             try:

@@ -97,19 +97,35 @@ def haproxy_app(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
         log.close()
 
 
-def _listener(port: int) -> psutil.Process | None:
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            return psutil.Process(conn.pid)
-    return None
+def _listeners() -> list:
+    return [
+        c for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN and c.pid
+    ]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:  # ended meanwhile
+        return ""
 
 
 def test_haproxy_holds_the_port_and_streams_the_engines_tokens(haproxy_app) -> None:
     base, proc = haproxy_app
-    holder = _listener(int(base.rsplit(":", 1)[1]))
-    assert holder is not None and holder.name() == "haproxy", holder
+    port = int(base.rsplit(":", 1)[1])
+    listeners = _listeners()
+    [holder] = [c for c in listeners if c.laddr.port == port]
+    haproxy = psutil.Process(holder.pid)
+    assert haproxy.name() == "haproxy" and holder.laddr.ip == "127.0.0.1", holder
     # HAProxy belongs to this app's cluster, started under `serve run`.
-    assert proc.pid in {p.pid for p in holder.parents()}
+    assert proc.pid in {p.pid for p in haproxy.parents()}
+    # The ingress replica's own HTTP server (Serve's direct-ingress port range), on 127.0.0.1.
+    ingress = [
+        c
+        for c in listeners
+        if 30000 <= c.laddr.port <= 31000 and "OpenAIIngress" in _cmdline(c.pid)
+    ]
+    assert ingress and all(c.laddr.ip == "127.0.0.1" for c in ingress), ingress
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
     stream = client.completions.create(
