@@ -57,7 +57,6 @@ long fma_loop(long iters, float seed) {
     for (int l = 0; l < VBYTES / 4; l++) s += t[l];
     return (long)s;
 }
-int vector_bytes(void) { return VBYTES; }
 """
 
 
@@ -67,34 +66,37 @@ def vector_bytes() -> int:
     return 64 if " avx512f" in flags else 32 if " avx" in flags else 16
 
 
-def build_fma_loop() -> ctypes.CDLL:
+def build_fma_loop(width: int) -> ctypes.CDLL:
+    """The loop on ``width``-byte vectors, compiled in a directory removed once it is loaded."""
     cc = os.environ.get("CC", "cc")
-    tmp = Path(tempfile.mkdtemp(prefix="fma-peak-"))
-    src, lib = tmp / "fma.c", tmp / "fma.so"
-    src.write_text(FMA_LOOP.replace("VBYTES", str(vector_bytes())))
-    subprocess.run(
-        [
-            cc,
-            "-O2",
-            "-march=native",
-            "-ffp-contract=fast",
-            "-shared",
-            "-fPIC",
-            str(src),
-            "-o",
-            str(lib),
-        ],
-        check=True,
-    )
-    dll = ctypes.CDLL(str(lib))
+    with tempfile.TemporaryDirectory(prefix="fma-peak-") as tmp:
+        src, lib = Path(tmp) / "fma.c", Path(tmp) / "fma.so"
+        src.write_text(FMA_LOOP.replace("VBYTES", str(width)))
+        subprocess.run(
+            [
+                cc,
+                "-O2",
+                "-march=native",
+                "-ffp-contract=fast",
+                "-shared",
+                "-fPIC",
+                str(src),
+                "-o",
+                str(lib),
+            ],
+            check=True,
+        )
+        dll = ctypes.CDLL(str(lib))
     dll.fma_loop.argtypes = [ctypes.c_long, ctypes.c_float]
     dll.fma_loop.restype = ctypes.c_long
     return dll
 
 
-def fma_peak(dll: ctypes.CDLL, threads: int, repeats: int, iters: int = 20_000_000) -> float:
+def fma_peak(
+    dll: ctypes.CDLL, width: int, threads: int, repeats: int, iters: int = 20_000_000
+) -> float:
     """Best fp32 flop/s of ``threads`` threads running the loop at once (ctypes drops the GIL)."""
-    flops_per_call = iters * 12 * (dll.vector_bytes() // 4) * 2
+    flops_per_call = iters * 12 * (width // 4) * 2
     best = 0.0
     for _ in range(repeats):
         workers = [
@@ -143,8 +145,9 @@ def main() -> None:
     args = parser.parse_args()
 
     load_before = uptime()
-    dll = build_fma_loop()
-    peak = {t: fma_peak(dll, t, args.repeats) for t in (1, 2)}
+    width = vector_bytes()
+    dll = build_fma_loop(width)
+    peak = {t: fma_peak(dll, width, t, args.repeats) for t in (1, 2)}
     flops = load_flops(args.model, args.requests, args.input_len, args.output_len)
     per_token = flops["total_flops"] / flops["output_tokens"]
     ceiling = {t: p / per_token for t, p in peak.items()}
@@ -163,7 +166,7 @@ def main() -> None:
         "cpu": cpu_model(),
         "load": [load_before, uptime()],
         "model": args.model,
-        "vector_bytes": dll.vector_bytes(),
+        "vector_bytes": width,
         "fma_peak_flops": peak,
         **flops,
         "ceiling_tok_s": ceiling,

@@ -24,20 +24,13 @@ import openai
 import psutil
 import pytest
 import yaml
+from conftest import _free_port
 
 from neuron_runtime import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "serve" / "colocated.yaml"
 PROMPT = "The lighthouse keeper looked at the sea and"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
