@@ -87,6 +87,11 @@ class DisaggregationArgs(BaseModel):
     on_kv_failure: Literal["recompute", "fail"] = "recompute"
     # A prefill replica lost mid-call: retry on another this many times.
     prefill_retries: int = Field(1, ge=0)
+    # Prompts of at most this many tokens, without images, skip the prefill replicas: the
+    # decode replica prefills them in its running batch, as a colocated engine does, and no KV
+    # moves. Longer ones are prefilled apart, so they do not stall the decode batch for a
+    # whole step. 0: every prompt goes to a prefill replica.
+    max_local_prefill_tokens: int = Field(0, ge=0)
     # How a prefill replica is picked: "prefix_affinity" (below) or Serve's "power_of_two".
     prefill_routing: Literal["prefix_affinity", "power_of_two"] = "prefix_affinity"
     # Prefix affinity: prefer the replica holding this share of the prompt's blocks, unless
@@ -585,6 +590,7 @@ def _disaggregated(
             max_migrations=args.max_migrations,
             decode_first=pd.kv_transport == "nixl" and pd.kv_decode_first,
             serving_threads_nice=args.serving_threads_nice,
+            max_local_prefill_tokens=pd.max_local_prefill_tokens,
         )
     )
 

@@ -125,7 +125,9 @@ class DecodeServer(EngineReplica):
         kv, transfer = await self._receive(request)
         attributes = {"neuron_serve.replica": self.replica_id}
         trace = tracing.EngineTrace("decode", request.trace_context, attributes, start)
-        handoff = dataclasses.replace(self._handoff(request), kv=kv)
+        handoff = self._handoff(request)
+        if handoff is not None:
+            handoff = dataclasses.replace(handoff, kv=kv)
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         images = await image_inputs(request.images)
@@ -151,7 +153,7 @@ class DecodeServer(EngineReplica):
                     yield StepOutput([], num_prompt, kv_arrived=arrived, kv_received=not arrived)
                     continue
                 step = to_step_output(out)
-                if first:
+                if first and handoff is not None:  # none moved for a prompt prefilled here
                     first = False
                     if isinstance(kv, KVBlockSource):
                         transfer = self._read_info(request.request_id, kv, start)
@@ -186,11 +188,15 @@ class DecodeServer(EngineReplica):
         kv.on_first_step = notify
         return arrived
 
-    def _handoff(self, request: DecodeRequest) -> KVHandoff:
+    def _handoff(self, request: DecodeRequest) -> KVHandoff | None:
         """The request's handoff; a migrated request (router/migration.py) goes on after the
-        tokens it already produced: a handoff without KV, so the engine recomputes them."""
+        tokens it already produced: a handoff without KV, so the engine recomputes them. None
+        for a request with no tokens yet (a short prompt the router sent here to prefill):
+        the engine runs it whole, as a colocated one does."""
         if request.handoff is not None:
             return request.handoff
+        if not request.resume_token_ids:
+            return None
         model = self.engine.engine.config.model
         metadata = KVMetadata.describe(model, request.prompt_token_ids)
         return KVHandoff(metadata, list(request.resume_token_ids))

@@ -170,7 +170,8 @@ class DecodeRequest:
     """Continue a prefilled request: its prompt and the prefill engine's handoff, unchanged.
 
     A handoff without a ticket means: recompute the prompt on the decode replica. No handoff
-    at all: a migrated request (router/migration.py), recomputed with ``resume_token_ids``.
+    at all: a migrated request (router/migration.py), recomputed with ``resume_token_ids``,
+    or, with none, a request the decode replica runs whole (a short prompt, prefilled there).
     """
 
     request_id: str

@@ -104,6 +104,7 @@ class PDRouter:
         max_migrations: int = MAX_MIGRATIONS,
         decode_first: bool = False,
         serving_threads_nice: int | None = None,
+        max_local_prefill_tokens: int = 0,
     ) -> None:
         tracing.configure(tracing_config, "router")
         self.prefill = prefill
@@ -119,6 +120,8 @@ class PDRouter:
         self.num_migrations = 0  # requests resumed after their decode replica was lost
         self.decode_first = decode_first
         self.num_handoffs_delivered = 0  # handoffs the prefill replica sent to decode itself
+        self.max_local_prefill_tokens = max_local_prefill_tokens
+        self.num_local_prefills = 0  # requests prefilled by their decode replica
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except (RuntimeError, RayServeException):  # constructed outside a replica (unit tests)
@@ -180,13 +183,18 @@ class PDRouter:
 
         A request that carries ``resume_token_ids`` resumes after them (its ingress migrated
         it here when the router serving it was lost): it goes straight to a decode replica,
-        which recomputes prompt + those tokens, as a migrated decode does.
+        which recomputes prompt + those tokens, as a migrated decode does. So does a short
+        prompt (``max_local_prefill_tokens``) with no tokens to resume after: its decode
+        replica prefills it in its running batch, as a colocated engine would.
         """
         opening: asyncio.Task[AsyncGenerator[StepOutput, None]] | None = None
         waiting: Followed | None = None  # the decode call the prefill replica delivered to
         arrival: _Ahead | None = None  # its next step: kv_arrived (or its error, its end)
         tokens = list(request.resume_token_ids)
-        if not tokens:
+        if not tokens and self._prefills_at_decode(request):
+            # No prefill call: the decode call below (reopen with no tokens) runs all of it.
+            self.num_local_prefills += 1
+        elif not tokens:
             result, waiting, request = await self._prefill(request)
             self._note(result.step.stats)
             if result.handoff is None:
@@ -228,6 +236,9 @@ class PDRouter:
                 resumable,
                 request_id=f"{request.request_id}{suffix}",
                 resume_token_ids=resume_tokens,
+                # No token yet (prefilled at decode, or lost before its first): all of it,
+                # prompt logprobs included.
+                sampling=resumable.sampling if resume_tokens else request.sampling,
             )
             return await self._open_decode(resumed)
 
@@ -318,6 +329,11 @@ class PDRouter:
         finally:
             rest.cancel()  # a no-op once the request has ended
 
+    def _prefills_at_decode(self, request: GenerateRequest) -> bool:
+        """Whether the request's decode replica prefills it (a short prompt without images)."""
+        short = len(request.prompt_token_ids) <= self.max_local_prefill_tokens
+        return short and not request.images
+
     def _migrated(self) -> None:
         self.num_migrations += 1
 
@@ -401,6 +417,7 @@ class PDRouter:
             "num_kv_refs_held": self.num_kv_refs_held,
             "num_migrations": self.num_migrations,
             "num_handoffs_delivered": self.num_handoffs_delivered,
+            "num_local_prefills": self.num_local_prefills,
         }
         return [*self.replica_stats.values(), own]
 

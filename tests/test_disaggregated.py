@@ -8,7 +8,8 @@ Applications on the shared cluster (conftest.serve_cluster):
   exits the process on a marked request (once), for the failure cases; a short hold timeout,
   so blocks nobody reads are freed within the test; reads layer-wise (``pd``'s are whole, the
   default over UCX);
-- ``pdobj`` (/pdobj): the tiny Llama, the KV through Ray's object store.
+- ``pdobj`` (/pdobj): the tiny Llama, the KV through Ray's object store; prompts of up to
+  ``LOCAL_PREFILL_TOKENS`` prefilled by the decode replica itself.
 References: the offline ``LLM`` on the same weights, and the colocated app. The KV fetch policy
 is checked for both transports on a DecodeServer outside Serve. After each test every engine
 replica is back to its idle baseline: no request, no used or held KV block.
@@ -54,6 +55,8 @@ QUESTIONS = [
     "Why is the sky blue during the day and red at sunset?",
 ]
 DIE_MARKER_ENV = "NEURON_SERVE_TEST_DIE_MARKER"
+# The pdobj app's max_local_prefill_tokens.
+LOCAL_PREFILL_TOKENS = 16
 
 
 class DieOnceEngine(AsyncEngine):
@@ -540,7 +543,11 @@ def object_store_server(serve_cluster, tiny_llama_path):
 
     small = {"ray_actor_options": {"num_cpus": 0.05}}
     app = build_openai_app(
-        tiny_pd_args(tiny_llama_path, kv_transport="object_store"),
+        tiny_pd_args(
+            tiny_llama_path,
+            kv_transport="object_store",
+            max_local_prefill_tokens=LOCAL_PREFILL_TOKENS,
+        ),
         prefill_options=small,
         decode_options=small,
         ingress_options=small,
@@ -553,23 +560,41 @@ def object_store_server(serve_cluster, tiny_llama_path):
 
 
 def test_object_store_concurrent_mixed_greedy_equals_offline(object_store_server, tiny_offline):
+    # Prompts of 3, 14, 25, ... tokens: the first two prefilled at decode, the rest apart.
     prompts = [[5 + (7 * i + j) % 300 for j in range(3 + 11 * i)] for i in range(6)]
     lengths = [4 + 3 * i for i in range(len(prompts))]
     url = f"{object_store_server}/pdobj/v1/completions"
 
     def ask(i: int) -> dict:
-        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0}
+        body = {
+            "model": "tiny",
+            "prompt": prompts[i],
+            "max_tokens": lengths[i],
+            "temperature": 0,
+            # Computed by whichever replica prefills: the prefill one, or decode.
+            "prompt_logprobs": 1,
+        }
         response = httpx.post(url, json=body, timeout=120)
         assert response.status_code == 200, response.text
         return response.json()
 
+    local = router_total("pdobj", "num_local_prefills")
     with ThreadPoolExecutor(len(prompts)) as pool:
         replies = list(pool.map(ask, range(len(prompts))))
+    short = sum(len(p) <= LOCAL_PREFILL_TOKENS for p in prompts)
+    assert 0 < short < len(prompts)
+    assert router_total("pdobj", "num_local_prefills") - local == short
     for prompt, n, reply in zip(prompts, lengths, replies, strict=True):
-        params = SamplingParams(temperature=0, max_tokens=n)
-        out = tiny_offline.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
-        assert reply["choices"][0]["text"] == out.text
-        assert reply["usage"]["completion_tokens"] == len(out.token_ids)
+        params = SamplingParams(temperature=0, max_tokens=n, prompt_logprobs=1)
+        out = tiny_offline.generate({"prompt_token_ids": prompt}, params)[0]
+        choice = reply["choices"][0]
+        assert choice["text"] == out.outputs[0].text
+        assert reply["usage"]["completion_tokens"] == len(out.outputs[0].token_ids)
+        entries = choice["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(prompt)
+        for got, want in zip(entries[1:], out.prompt_logprobs[1:], strict=True):
+            served = {int(token): entry["logprob"] for token, entry in got.items()}
+            assert served == pytest.approx(want, abs=1e-4), len(prompt)
     text = httpx.get(f"{object_store_server}/pdobj/metrics", timeout=30).text
     assert re.search(r'neuron:kv_transfer_bytes_total\{[^}]*transport="object_store"', text)
     assert metric(text, "neuron:kv_transfer_failures_total") == 0

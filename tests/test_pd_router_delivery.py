@@ -104,8 +104,12 @@ class Decode:
             await asyncio.sleep(self.arrival_s)
             self.events.append("kv arrived")
             yield StepOutput([], len(PROMPT), kv_arrived=True)
-        # With a handoff, or resumed after the first token (recomputed here).
+        # With a handoff, or resumed after the first token (recomputed here), or from the
+        # start (a short prompt prefilled here: the first token comes from here too).
         done = request.resume_token_ids if handoff is None else handoff.output_token_ids
+        if handoff is None and not done:
+            yield StepOutput([SeqDelta(0, [FIRST])], len(PROMPT))
+            done = [FIRST]
         assert done == [FIRST]
         for i, token in enumerate(REST):
             last = i == len(REST) - 1
@@ -168,8 +172,16 @@ class Prefill:
         return PrefillResult(step, handoff, delivered=delivered)
 
 
-def router(prefill: Prefill, decode: Decode, decode_first: bool = True) -> PDRouter:
-    return PDRouter.func_or_class(prefill, decode, step_channels=False, decode_first=decode_first)
+def router(
+    prefill: Prefill, decode: Decode, decode_first: bool = True, max_local_prefill_tokens: int = 0
+) -> PDRouter:
+    return PDRouter.func_or_class(
+        prefill,
+        decode,
+        step_channels=False,
+        decode_first=decode_first,
+        max_local_prefill_tokens=max_local_prefill_tokens,
+    )
 
 
 async def tokens_of(pd: PDRouter, events: list[str] | None = None) -> list[int]:
@@ -215,6 +227,35 @@ def test_the_client_gets_each_token_once_whichever_way_the_handoff_went(
         assert own["num_handoffs_delivered"] == delivered
         assert own["num_kv_refs_held"] == 0
         assert not pd.decode_steps.queues and not pd.decode_steps.owners
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_prompt_up_to_the_local_limit_is_prefilled_by_its_decode_replica(local: bool) -> None:
+    """No prefill call: one decode call with no handoff, the request's own sampling (prompt
+    logprobs included, which only a prefill computes). One token longer: a prefill replica."""
+
+    async def main() -> None:
+        decode = Decode()
+        prefill = Prefill(decode, [] if local else ["deliver"])
+        pd = router(prefill, decode, max_local_prefill_tokens=len(PROMPT) - (not local))
+        sampling = {"max_tokens": 4, "temperature": 0.0, "prompt_logprobs": 1}
+        request = GenerateRequest("r", PROMPT, sampling)
+        tokens = []
+        async for step in pd.generate(request):
+            tokens.extend(t for seq in step.seqs for t in seq.token_ids)
+        assert tokens == [FIRST, *REST]
+        assert len(prefill.requests) == (not local)
+        [(call, _)] = decode.calls
+        if local:
+            assert call.handoff is None and not call.await_handoff
+            assert call.resume_token_ids == [] and call.sampling == sampling
+        else:
+            assert call.await_handoff and call.sampling["prompt_logprobs"] is None
+        own = pd.stats()[-1]
+        assert own["num_local_prefills"] == local
+        assert own["num_kv_refs_held"] == 0
 
     asyncio.run(main())
 
