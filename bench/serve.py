@@ -115,6 +115,12 @@ PRIORITY_VARIANTS: dict[str, int | None] = {"-ray-priorities": None, "-serving-b
 # bench/local_cluster.py); "<config>-haproxy" with HAProxy in place of Serve's HTTP proxy.
 WORKERS_AT_15 = "-workers-at-15"
 HAPROXY = "-haproxy"
+# "<config>-all-remote": a disaggregated config with every prompt on a prefill replica
+# (max_local_prefill_tokens 0), whatever the shipped file sets.
+ALL_REMOTE = "-all-remote"
+for _name in list(CONFIGS):
+    if CONFIGS[_name][0] == "disaggregated":
+        CONFIGS[_name + ALL_REMOTE] = CONFIGS[_name]
 for _name in list(CONFIGS):
     CONFIGS[_name + THROUGHPUT_OPTIMIZED] = CONFIGS[_name]
     CONFIGS[_name + WORKERS_AT_15] = CONFIGS[_name]
@@ -321,6 +327,12 @@ def deployment_options(path: str) -> dict[str, dict]:
     return options
 
 
+def shipped_disaggregation(path: str) -> dict[str, Any]:
+    """A shipped Serve file's ``disaggregation`` app args (empty for a colocated one)."""
+    config = yaml.safe_load((ROOT / path).read_text())
+    return dict(config["applications"][0]["args"].get("disaggregation") or {})
+
+
 def engine_threads(name: str) -> int:
     """Kernel threads of the app's busiest engine replica (decode, or the LLMServer)."""
     options = deployment_options(CONFIGS[name][2])
@@ -364,8 +376,12 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
             "kv_cache_memory_bytes": args.kv_cache_mib << 20,
         },
         disaggregation=DisaggregationArgs(
-            kv_transport=transport.removesuffix("-via-router"),
-            kv_decode_first=not transport.endswith("-via-router"),
+            **{
+                **shipped_disaggregation(path),
+                "kv_transport": transport.removesuffix("-via-router"),
+                "kv_decode_first": not transport.endswith("-via-router"),
+                **({"max_local_prefill_tokens": 0} if name.endswith(ALL_REMOTE) else {}),
+            }
         ),
     )
     app = build_openai_app(
