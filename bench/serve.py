@@ -313,12 +313,17 @@ def handoff_figures(before: str, after: str, ttft: dict) -> dict[str, dict]:
     return figures
 
 
+@functools.cache
+def shipped_app(path: str) -> dict[str, Any]:
+    """A shipped Serve file's application, read once (callers copy what they change)."""
+    return yaml.safe_load((ROOT / path).read_text())["applications"][0]
+
+
 def deployment_options(path: str) -> dict[str, dict]:
     """A shipped Serve file's per-deployment options, one replica each (a fixed shape to
     measure: the autoscalers would change it mid-run)."""
-    config = yaml.safe_load((ROOT / path).read_text())
     options = {}
-    for d in config["applications"][0]["deployments"]:
+    for d in shipped_app(path)["deployments"]:
         options[d["name"]] = {
             "num_replicas": 1,
             "ray_actor_options": d.get("ray_actor_options", {}),
@@ -330,8 +335,7 @@ def deployment_options(path: str) -> dict[str, dict]:
 
 def shipped_disaggregation(path: str) -> dict[str, Any]:
     """A shipped Serve file's ``disaggregation`` app args (empty for a colocated one)."""
-    config = yaml.safe_load((ROOT / path).read_text())
-    return dict(config["applications"][0]["args"].get("disaggregation") or {})
+    return dict(shipped_app(path)["args"].get("disaggregation") or {})
 
 
 def engine_threads(name: str) -> int:
@@ -804,21 +808,17 @@ class Loads:
                     c,
                     args.seed,
                 )
-                cpu = self.cpu.setdefault((name, c), {})
-                for title, seconds in cpu_used(cpu_before, cpu_seconds(procs)).items():
-                    cpu[title] = cpu.get(title, 0.0) + seconds
+                cpu = cpu_used(cpu_before, cpu_seconds(procs))
                 for _, profiler in profiles:
                     profiler.wait()
-                self.results.setdefault((name, c), []).extend(got)
-                self.durations[name, c] = self.durations.get((name, c), 0.0) + duration
-                self.load_averages.append(os.getloadavg()[0])
+                self.add(name, c, got, duration, cpu)
             if ours and round_no == 0:
                 self.scrapes[name].append((await client.get(f"{url}/metrics")).text)
 
     def add(
         self, name: str, c: int, got: list[RequestResult], duration: float, cpu: dict[str, float]
     ) -> None:
-        """One load's results, measured elsewhere (the offline engine in this process)."""
+        """One load's results: an app's, or the offline engine's in this process."""
         self.results.setdefault((name, c), []).extend(got)
         self.durations[name, c] = self.durations.get((name, c), 0.0) + duration
         mine = self.cpu.setdefault((name, c), {})
