@@ -55,6 +55,7 @@ import os
 import platform
 import random
 import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -116,6 +117,10 @@ PRIORITY_VARIANTS: dict[str, int | None] = {"-ray-priorities": None, "-serving-b
 # bench/local_cluster.py); "<config>-haproxy" with HAProxy in place of Serve's HTTP proxy.
 WORKERS_AT_15 = "-workers-at-15"
 HAPROXY = "-haproxy"
+# The CPU seconds of this process (the HTTP load client, SSE parsing of every stream, and its
+# Ray driver) during an app's load, listed with the app's processes but not counted in its
+# ``cores``.
+LOAD_CLIENT = "load client (this process)"
 # "<config>-all-remote": a disaggregated config with every prompt on a prefill replica
 # (max_local_prefill_tokens 0), whatever the shipped file sets.
 ALL_REMOTE = "-all-remote"
@@ -494,10 +499,49 @@ def cpu_seconds(processes: list[psutil.Process]) -> dict[int, tuple[str, float]]
     return by_pid
 
 
-def cpu_used(
+def core_waits(processes: list[psutil.Process]) -> dict[int, tuple[str, float]]:
+    """Seconds so far that each process's threads (those alive now) spent runnable with no
+    core to run on (/proc/<pid>/task/<tid>/schedstat); pid -> (title, seconds). Empty off
+    Linux."""
+    by_pid: dict[int, tuple[str, float]] = {}
+    for proc in processes:
+        try:
+            title, tids = _title(proc), os.listdir(f"/proc/{proc.pid}/task")
+        except (psutil.Error, OSError):
+            continue
+        waited_ns = 0
+        for tid in tids:
+            try:
+                with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f:
+                    waited_ns += int(f.read().split()[1])
+            except (OSError, IndexError, ValueError):  # the thread ended meanwhile
+                continue
+        by_pid[proc.pid] = (title, waited_ns / 1e9)
+    return by_pid
+
+
+def box_idle_s() -> float:
+    """CPU seconds the whole box has spent idle so far, every core (/proc/stat); 0 off
+    Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return 0.0
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")  # idle + iowait
+
+
+def process_cpu_s() -> float:
+    """CPU seconds of this process so far, every thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def used_by_title(
     before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
 ) -> dict[str, float]:
-    """CPU seconds each process used between two ``cpu_seconds``, by title without the
+    """Seconds each process added between two snapshots (``cpu_seconds``: CPU seconds,
+    ``core_waits``: seconds waiting for a core), by title without the
     method a Ray worker names while it runs one (ray::ServeController.listen_for_change is
     ray::ServeController); several processes of one title add up. Keyed by pid: a title
     taken at one end only would count the process's whole life."""
@@ -580,6 +624,8 @@ def print_table(rows: dict[str, dict], concurrency: int) -> None:
         for p in ("p50_ms", "p99_ms"):
             lines.append((f"{metric.upper()} {p}", functools.partial(_percentile, metric, p)))
     lines.append(("cores (CPU s / wall s)", lambda s: s.get("cores")))
+    lines.append(("waited for a core (s)", lambda s: sum(s.get("waited_s", {}).values())))
+    lines.append(("box idle (CPU s)", lambda s: s.get("box_idle_s")))
     for label, get in lines:
         cells = []
         for n in names:
@@ -590,6 +636,11 @@ def print_table(rows: dict[str, dict], concurrency: int) -> None:
     for n in names:
         cpu = {k: v for k, v in sorted(rows[n].get("cpu_s", {}).items(), key=lambda kv: -kv[1])}
         text = ", ".join(f"{k} {v:.1f}" for k, v in cpu.items() if v > 0.1)
+        print(f"  {rows[n]['app']:<20} {text}")
+    print("Seconds runnable with no free core, by process (> 0.1 s):")
+    for n in names:
+        waited = sorted(rows[n].get("waited_s", {}).items(), key=lambda kv: -kv[1])
+        text = ", ".join(f"{k} {v:.1f}" for k, v in waited if v > 0.1)
         print(f"  {rows[n]['app']:<20} {text}")
 
 
@@ -753,6 +804,22 @@ class PromptSets:
         return [[rng.randrange(1000, 40000) for _ in range(self.args.input_len)] for _ in range(n)]
 
 
+@dataclass
+class Usage:
+    """What one load took of the box, by process title: CPU seconds, seconds runnable with
+    no core (``waited``), and the box's idle CPU seconds."""
+
+    cpu: dict[str, float]
+    waited: dict[str, float]
+    idle_s: float
+
+    def add(self, other: Usage) -> None:
+        for mine, theirs in ((self.cpu, other.cpu), (self.waited, other.waited)):
+            for title, seconds in theirs.items():
+                mine[title] = mine.get(title, 0.0) + seconds
+        self.idle_s += other.idle_s
+
+
 class Loads:
     """Every app's results, durations, CPU seconds and /metrics scrapes, by app and concurrency."""
 
@@ -764,7 +831,7 @@ class Loads:
         self.load_averages = load_averages  # the box's 1-minute load average after each load
         self.results: dict[tuple[str, int], list[RequestResult]] = {}
         self.durations: dict[tuple[str, int], float] = {}
-        self.cpu: dict[tuple[str, int], dict[str, float]] = {}
+        self.usage: dict[tuple[str, int], Usage] = {}
         self.scrapes: dict[str, list[str]] = {}  # the first round's, before and after
 
     async def run(
@@ -798,7 +865,8 @@ class Loads:
                 if args.profile_s and round_no == 0 and c == max(concurrencies):
                     out = Path(args.json).parent / "profile"
                     profiles = start_profiles(name, args.profile_s, out)
-                cpu_before = cpu_seconds(procs)
+                cpu_before, client_before = cpu_seconds(procs), process_cpu_s()
+                waits_before, idle_before = core_waits(procs), box_idle_s()
                 got, duration = await run_load(
                     lambda p: http_request(
                         client, f"{url}/v1/completions", args.model, p, args.output_len
@@ -808,30 +876,40 @@ class Loads:
                     c,
                     args.seed,
                 )
-                cpu = cpu_used(cpu_before, cpu_seconds(procs))
+                cpu = used_by_title(cpu_before, cpu_seconds(procs))
+                cpu[LOAD_CLIENT] = process_cpu_s() - client_before
+                usage = Usage(
+                    cpu, used_by_title(waits_before, core_waits(procs)), box_idle_s() - idle_before
+                )
                 for _, profiler in profiles:
                     profiler.wait()
-                self.add(name, c, got, duration, cpu)
+                self.add(name, c, got, duration, usage)
             if ours and round_no == 0:
                 self.scrapes[name].append((await client.get(f"{url}/metrics")).text)
 
     def add(
-        self, name: str, c: int, got: list[RequestResult], duration: float, cpu: dict[str, float]
+        self, name: str, c: int, got: list[RequestResult], duration: float, usage: Usage
     ) -> None:
         """One load's results: an app's, or the offline engine's in this process."""
         self.results.setdefault((name, c), []).extend(got)
         self.durations[name, c] = self.durations.get((name, c), 0.0) + duration
-        mine = self.cpu.setdefault((name, c), {})
-        for title, seconds in cpu.items():
-            mine[title] = mine.get(title, 0.0) + seconds
+        self.usage.setdefault((name, c), Usage({}, {}, 0.0)).add(usage)
         self.load_averages.append(os.getloadavg()[0])
 
     def rows(self, slo: dict[str, float], concurrencies: list[int]) -> dict[str, dict]:
         rows = {}
         for (name, c), results in self.results.items():
             row = summarize(results, self.durations[name, c], slo)
-            row.update(app=name, concurrency=c, cpu_s=self.cpu[name, c])
-            row["cores"] = sum(self.cpu[name, c].values()) / self.durations[name, c]
+            usage = self.usage[name, c]
+            row.update(
+                app=name,
+                concurrency=c,
+                cpu_s=usage.cpu,
+                waited_s=usage.waited,
+                box_idle_s=usage.idle_s,
+            )
+            app_cpu = sum(v for k, v in usage.cpu.items() if k != LOAD_CLIENT)
+            row["cores"] = app_cpu / self.durations[name, c]
             rows[f"{name}@c{c}"] = row
         for name, (before, after) in self.scrapes.items():
             if "neuron:kv_transfer_seconds_count" in after:
@@ -920,8 +998,6 @@ async def offline_round(
 ) -> None:
     """The engine in this process, on the served replica's threads and batch limit: a fresh
     engine warmed up, then the round's load at each concurrency (into ``acc`` as "offline")."""
-    import resource
-
     from neuron_runtime import AsyncEngine, EngineArgs
 
     engine = AsyncEngine.from_engine_args(
@@ -934,17 +1010,14 @@ async def offline_round(
         )
     )
 
-    def cpu_s() -> float:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime
-
     try:
         warmup = prompts.warmup
         await run_load(
             lambda p: direct_request(engine, p, 4), warmup, float("inf"), len(warmup), args.seed
         )
+        me = [psutil.Process()]
         for c in concurrencies:
-            start = cpu_s()
+            start, waits_before, idle_before = process_cpu_s(), core_waits(me), box_idle_s()
             results, duration = await run_load(
                 lambda p: direct_request(engine, p, args.output_len),
                 prompts.load(round_no, c),
@@ -952,7 +1025,12 @@ async def offline_round(
                 c,
                 args.seed,
             )
-            acc.add("offline", c, results, duration, {"this process": cpu_s() - start})
+            usage = Usage(
+                {"this process": process_cpu_s() - start},
+                {"this process": sum(used_by_title(waits_before, core_waits(me)).values())},
+                box_idle_s() - idle_before,
+            )
+            acc.add("offline", c, results, duration, usage)
     finally:
         engine.shutdown()
 
