@@ -92,6 +92,10 @@ class DisaggregationArgs(BaseModel):
     # moves. Longer ones are prefilled apart, so they do not stall the decode batch for a
     # whole step. 0: every prompt goes to a prefill replica.
     max_local_prefill_tokens: int = Field(0, ge=0)
+    # Longer prompts go to the prefill replicas while fewer than this many of a PD router's
+    # requests are there (queued or computing); one that finds them at it is prefilled at
+    # decode as a short prompt is, instead of waiting behind them. 0: no limit.
+    max_prefill_queue: int = Field(0, ge=0)
     # How a prefill replica is picked: "prefix_affinity" (below) or Serve's "power_of_two".
     prefill_routing: Literal["prefix_affinity", "power_of_two"] = "prefix_affinity"
     # Prefix affinity: prefer the replica holding this share of the prompt's blocks, unless
@@ -591,6 +595,7 @@ def _disaggregated(
             decode_first=pd.kv_transport == "nixl" and pd.kv_decode_first,
             serving_threads_nice=args.serving_threads_nice,
             max_local_prefill_tokens=pd.max_local_prefill_tokens,
+            max_prefill_queue=pd.max_prefill_queue,
         )
     )
 

@@ -124,9 +124,13 @@ LOAD_CLIENT = "load client (this process)"
 # "<config>-all-remote": a disaggregated config with every prompt on a prefill replica
 # (max_local_prefill_tokens 0), whatever the shipped file sets.
 ALL_REMOTE = "-all-remote"
+# "<config>-prefill-queue-N": a disaggregated config with max_prefill_queue N.
+PREFILL_QUEUE = re.compile(r"-prefill-queue-(\d+)$")
 for _name in list(CONFIGS):
     if CONFIGS[_name][0] == "disaggregated":
         CONFIGS[_name + ALL_REMOTE] = CONFIGS[_name]
+        for _queue in (1, 2, 4, 8):
+            CONFIGS[f"{_name}-prefill-queue-{_queue}"] = CONFIGS[_name]
 for _name in list(CONFIGS):
     CONFIGS[_name + THROUGHPUT_OPTIMIZED] = CONFIGS[_name]
     CONFIGS[_name + WORKERS_AT_15] = CONFIGS[_name]
@@ -365,6 +369,7 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
 
     mode, transport, path, step_channels, batching_ms = CONFIGS[name]
     options = deployment_options(path)
+    queue = PREFILL_QUEUE.search(name)
     if name.endswith(THROUGHPUT_OPTIMIZED):
         for option in options.values():
             actor = option["ray_actor_options"] = dict(option["ray_actor_options"])
@@ -391,6 +396,7 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
                 "kv_transport": transport.removesuffix("-via-router"),
                 "kv_decode_first": not transport.endswith("-via-router"),
                 **({"max_local_prefill_tokens": 0} if name.endswith(ALL_REMOTE) else {}),
+                **({"max_prefill_queue": int(queue[1])} if queue else {}),
             }
         ),
     )

@@ -105,6 +105,7 @@ class PDRouter:
         decode_first: bool = False,
         serving_threads_nice: int | None = None,
         max_local_prefill_tokens: int = 0,
+        max_prefill_queue: int = 0,
     ) -> None:
         tracing.configure(tracing_config, "router")
         self.prefill = prefill
@@ -122,6 +123,8 @@ class PDRouter:
         self.num_handoffs_delivered = 0  # handoffs the prefill replica sent to decode itself
         self.max_local_prefill_tokens = max_local_prefill_tokens
         self.num_local_prefills = 0  # requests prefilled by their decode replica
+        self.max_prefill_queue = max_prefill_queue
+        self.num_prefilling = 0  # this router's requests at prefill replicas now
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except (RuntimeError, RayServeException):  # constructed outside a replica (unit tests)
@@ -184,7 +187,8 @@ class PDRouter:
         A request that carries ``resume_token_ids`` resumes after them (its ingress migrated
         it here when the router serving it was lost): it goes straight to a decode replica,
         which recomputes prompt + those tokens, as a migrated decode does. So does a short
-        prompt (``max_local_prefill_tokens``) with no tokens to resume after: its decode
+        prompt (``max_local_prefill_tokens``), or one that finds ``max_prefill_queue`` of this
+        router's requests at the prefill replicas, with no tokens to resume after: its decode
         replica prefills it in its running batch, as a colocated engine would.
         """
         opening: asyncio.Task[AsyncGenerator[StepOutput, None]] | None = None
@@ -330,9 +334,14 @@ class PDRouter:
             rest.cancel()  # a no-op once the request has ended
 
     def _prefills_at_decode(self, request: GenerateRequest) -> bool:
-        """Whether the request's decode replica prefills it (a short prompt without images)."""
-        short = len(request.prompt_token_ids) <= self.max_local_prefill_tokens
-        return short and not request.images
+        """Whether the request's decode replica prefills it: a prompt without images that is
+        short, or that would find ``max_prefill_queue`` of this router's requests already at
+        the prefill replicas (Dynamo's conditional disaggregation)."""
+        if request.images:
+            return False
+        if len(request.prompt_token_ids) <= self.max_local_prefill_tokens:
+            return True
+        return 0 < self.max_prefill_queue <= self.num_prefilling
 
     def _migrated(self) -> None:
         self.num_migrations += 1
@@ -348,6 +357,16 @@ class PDRouter:
         handoff, and the prefill call names it as the destination; returned with the result
         when the handoff was delivered to it (else closed, and None).
         """
+        self.num_prefilling += 1
+        try:
+            return await self._prefill_attempts(request)
+        finally:
+            self.num_prefilling -= 1
+
+    async def _prefill_attempts(
+        self, request: GenerateRequest
+    ) -> tuple[PrefillResult, Followed | None, GenerateRequest]:
+        """``_prefill``'s attempts."""
         first_id = request.request_id
         for attempt in range(self.prefill_retries + 1):
             if attempt:
@@ -418,6 +437,7 @@ class PDRouter:
             "num_migrations": self.num_migrations,
             "num_handoffs_delivered": self.num_handoffs_delivered,
             "num_local_prefills": self.num_local_prefills,
+            "num_prefilling": self.num_prefilling,
         }
         return [*self.replica_stats.values(), own]
 

@@ -152,8 +152,11 @@ class Prefill:
 
         self.prefill = Call()
         self.decode = decode
+        self.hold: asyncio.Event | None = None  # set: every call waits for it first
 
     async def run(self, request: GenerateRequest, outcome: str) -> PrefillResult:
+        if self.hold is not None:
+            await self.hold.wait()
         await asyncio.sleep(0.01)
         if outcome == "lost":
             raise ActorDiedError()
@@ -173,7 +176,11 @@ class Prefill:
 
 
 def router(
-    prefill: Prefill, decode: Decode, decode_first: bool = True, max_local_prefill_tokens: int = 0
+    prefill: Prefill,
+    decode: Decode,
+    decode_first: bool = True,
+    max_local_prefill_tokens: int = 0,
+    max_prefill_queue: int = 0,
 ) -> PDRouter:
     return PDRouter.func_or_class(
         prefill,
@@ -181,6 +188,7 @@ def router(
         step_channels=False,
         decode_first=decode_first,
         max_local_prefill_tokens=max_local_prefill_tokens,
+        max_prefill_queue=max_prefill_queue,
     )
 
 
@@ -255,6 +263,41 @@ def test_a_prompt_up_to_the_local_limit_is_prefilled_by_its_decode_replica(local
             assert call.await_handoff and call.sampling["prompt_logprobs"] is None
         own = pd.stats()[-1]
         assert own["num_local_prefills"] == local
+        assert own["num_kv_refs_held"] == 0
+
+    asyncio.run(main())
+
+
+def test_a_long_prompt_that_finds_the_prefill_queue_full_is_prefilled_at_decode() -> None:
+    """max_prefill_queue 1: while one request is at the prefill replica, the next (longer
+    than max_local_prefill_tokens) is prefilled by its decode replica; once the first is
+    back, the third goes to the prefill replica again."""
+
+    async def run(pd: PDRouter, request_id: str) -> list[int]:
+        request = GenerateRequest(request_id, PROMPT, {"max_tokens": 4, "temperature": 0.0})
+        tokens = []
+        async for step in pd.generate(request):
+            tokens.extend(t for seq in step.seqs for t in seq.token_ids)
+        return tokens
+
+    async def main() -> None:
+        decode = Decode()
+        prefill = Prefill(decode, ["deliver", "deliver"])
+        prefill.hold = asyncio.Event()
+        pd = router(prefill, decode, max_prefill_queue=1)
+        first = asyncio.create_task(run(pd, "a"))
+        while not prefill.requests:
+            await asyncio.sleep(0.001)
+        assert pd.stats()[-1]["num_prefilling"] == 1
+        assert await asyncio.wait_for(run(pd, "b"), 10) == [FIRST, *REST]
+        prefill.hold.set()
+        assert await asyncio.wait_for(first, 10) == [FIRST, *REST]
+        assert await asyncio.wait_for(run(pd, "c"), 10) == [FIRST, *REST]
+        assert [r.request_id for r in prefill.requests] == ["a", "c"]
+        local = [r for r, _ in decode.calls if r.request_id == "b"]
+        assert len(local) == 1 and local[0].handoff is None and not local[0].await_handoff
+        own = pd.stats()[-1]
+        assert own["num_local_prefills"] == 1 and own["num_prefilling"] == 0
         assert own["num_kv_refs_held"] == 0
 
     asyncio.run(main())
