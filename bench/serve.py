@@ -8,7 +8,9 @@ Metrics as vLLM's ``bench serve`` defines them, per request:
   E2EL  arrival to last token
 plus request and output-token throughput, goodput (requests/s meeting every SLO given) and,
 per process, the CPU seconds it used while the load ran (``cores`` = CPU seconds / wall
-seconds), so an idle core shows.
+seconds), so an idle core shows, and the seconds its threads were runnable with no free core;
+the box's idle CPU seconds; and the load client's own CPU seconds (this process), which share
+the cores with a served app but not with the offline engine.
 
 Arrivals are Poisson at ``--request-rate`` (requests/s) or, with rate inf, as fast as each
 ``--concurrency`` allows (a comma list: every app is loaded at each). Prompts are random token
@@ -125,7 +127,7 @@ LOAD_CLIENT = "load client (this process)"
 # (max_local_prefill_tokens 0), whatever the shipped file sets.
 ALL_REMOTE = "-all-remote"
 # "<config>-prefill-queue-N": a disaggregated config with max_prefill_queue N.
-PREFILL_QUEUE = re.compile(r"-prefill-queue-(\d+)$")
+PREFILL_QUEUE = re.compile(r"-prefill-queue-(\d+)(?=-|$)")
 for _name in list(CONFIGS):
     if CONFIGS[_name][0] == "disaggregated":
         CONFIGS[_name + ALL_REMOTE] = CONFIGS[_name]
