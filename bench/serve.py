@@ -119,9 +119,9 @@ PRIORITY_VARIANTS: dict[str, int | None] = {"-ray-priorities": None, "-serving-b
 # bench/local_cluster.py); "<config>-haproxy" with HAProxy in place of Serve's HTTP proxy.
 WORKERS_AT_15 = "-workers-at-15"
 HAPROXY = "-haproxy"
-# The CPU seconds of this process (the HTTP load client, SSE parsing of every stream, and its
-# Ray driver) during an app's load, listed with the app's processes but not counted in its
-# ``cores``.
+# This process (the HTTP load client, SSE parsing of every stream, and its Ray driver) during
+# an app's load: its CPU and core waits are listed with the app's processes but not counted
+# in the app's ``cores`` or total wait.
 LOAD_CLIENT = "load client (this process)"
 # "<config>-all-remote": a disaggregated config with every prompt on a prefill replica
 # (max_local_prefill_tokens 0), whatever the shipped file sets.
@@ -371,7 +371,6 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
 
     mode, transport, path, step_channels, batching_ms = CONFIGS[name]
     options = deployment_options(path)
-    queue = PREFILL_QUEUE.search(name)
     if name.endswith(THROUGHPUT_OPTIMIZED):
         for option in options.values():
             actor = option["ray_actor_options"] = dict(option["ray_actor_options"])
@@ -398,7 +397,11 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
                 "kv_transport": transport.removesuffix("-via-router"),
                 "kv_decode_first": not transport.endswith("-via-router"),
                 **({"max_local_prefill_tokens": 0} if name.endswith(ALL_REMOTE) else {}),
-                **({"max_prefill_queue": int(queue[1])} if queue else {}),
+                **(
+                    {"max_prefill_queue": int(queue[1])}
+                    if (queue := PREFILL_QUEUE.search(name))
+                    else {}
+                ),
             }
         ),
     )
@@ -632,7 +635,7 @@ def print_table(rows: dict[str, dict], concurrency: int) -> None:
         for p in ("p50_ms", "p99_ms"):
             lines.append((f"{metric.upper()} {p}", functools.partial(_percentile, metric, p)))
     lines.append(("cores (CPU s / wall s)", lambda s: s.get("cores")))
-    lines.append(("waited for a core (s)", lambda s: sum(s.get("waited_s", {}).values())))
+    lines.append(("waited for a core (s)", lambda s: s.get("waited_total_s")))
     lines.append(("box idle (CPU s)", lambda s: s.get("box_idle_s")))
     for label, get in lines:
         cells = []
@@ -828,6 +831,24 @@ class Usage:
         self.idle_s += other.idle_s
 
 
+class UsageMeter:
+    """Snapshots taken when made; ``usage()``: what the box gave ``processes`` and this
+    process (under ``own_title``) since then."""
+
+    def __init__(self, processes: list[psutil.Process], own_title: str) -> None:
+        self.processes, self.own_title, self.me = processes, own_title, [psutil.Process()]
+        self.cpu, self.own_cpu = cpu_seconds(processes), process_cpu_s()
+        self.waits, self.own_waits = core_waits(processes), core_waits(self.me)
+        self.idle = box_idle_s()
+
+    def usage(self) -> Usage:
+        cpu = used_by_title(self.cpu, cpu_seconds(self.processes))
+        cpu[self.own_title] = process_cpu_s() - self.own_cpu
+        waited = used_by_title(self.waits, core_waits(self.processes))
+        waited[self.own_title] = sum(used_by_title(self.own_waits, core_waits(self.me)).values())
+        return Usage(cpu, waited, box_idle_s() - self.idle)
+
+
 class Loads:
     """Every app's results, durations, CPU seconds and /metrics scrapes, by app and concurrency."""
 
@@ -873,8 +894,7 @@ class Loads:
                 if args.profile_s and round_no == 0 and c == max(concurrencies):
                     out = Path(args.json).parent / "profile"
                     profiles = start_profiles(name, args.profile_s, out)
-                cpu_before, client_before = cpu_seconds(procs), process_cpu_s()
-                waits_before, idle_before = core_waits(procs), box_idle_s()
+                meter = UsageMeter(procs, LOAD_CLIENT)
                 got, duration = await run_load(
                     lambda p: http_request(
                         client, f"{url}/v1/completions", args.model, p, args.output_len
@@ -884,11 +904,7 @@ class Loads:
                     c,
                     args.seed,
                 )
-                cpu = used_by_title(cpu_before, cpu_seconds(procs))
-                cpu[LOAD_CLIENT] = process_cpu_s() - client_before
-                usage = Usage(
-                    cpu, used_by_title(waits_before, core_waits(procs)), box_idle_s() - idle_before
-                )
+                usage = meter.usage()
                 for _, profiler in profiles:
                     profiler.wait()
                 self.add(name, c, got, duration, usage)
@@ -918,6 +934,7 @@ class Loads:
             )
             app_cpu = sum(v for k, v in usage.cpu.items() if k != LOAD_CLIENT)
             row["cores"] = app_cpu / self.durations[name, c]
+            row["waited_total_s"] = sum(v for k, v in usage.waited.items() if k != LOAD_CLIENT)
             rows[f"{name}@c{c}"] = row
         for name, (before, after) in self.scrapes.items():
             if "neuron:kv_transfer_seconds_count" in after:
@@ -1023,9 +1040,8 @@ async def offline_round(
         await run_load(
             lambda p: direct_request(engine, p, 4), warmup, float("inf"), len(warmup), args.seed
         )
-        me = [psutil.Process()]
         for c in concurrencies:
-            start, waits_before, idle_before = process_cpu_s(), core_waits(me), box_idle_s()
+            meter = UsageMeter([], "this process")
             results, duration = await run_load(
                 lambda p: direct_request(engine, p, args.output_len),
                 prompts.load(round_no, c),
@@ -1033,12 +1049,7 @@ async def offline_round(
                 c,
                 args.seed,
             )
-            usage = Usage(
-                {"this process": process_cpu_s() - start},
-                {"this process": sum(used_by_title(waits_before, core_waits(me)).values())},
-                box_idle_s() - idle_before,
-            )
-            acc.add("offline", c, results, duration, usage)
+            acc.add("offline", c, results, duration, meter.usage())
     finally:
         engine.shutdown()
 

@@ -199,7 +199,11 @@ class PDRouter:
             # No prefill call: the decode call below (reopen with no tokens) runs all of it.
             self.num_local_prefills += 1
         elif not tokens:
-            result, waiting, request = await self._prefill(request)
+            self.num_prefilling += 1
+            try:
+                result, waiting, request = await self._prefill(request)
+            finally:
+                self.num_prefilling -= 1
             self._note(result.step.stats)
             if result.handoff is None:
                 yield result.step
@@ -357,16 +361,6 @@ class PDRouter:
         handoff, and the prefill call names it as the destination; returned with the result
         when the handoff was delivered to it (else closed, and None).
         """
-        self.num_prefilling += 1
-        try:
-            return await self._prefill_attempts(request)
-        finally:
-            self.num_prefilling -= 1
-
-    async def _prefill_attempts(
-        self, request: GenerateRequest
-    ) -> tuple[PrefillResult, Followed | None, GenerateRequest]:
-        """``_prefill``'s attempts."""
         first_id = request.request_id
         for attempt in range(self.prefill_retries + 1):
             if attempt:
