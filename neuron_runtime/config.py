@@ -13,6 +13,9 @@ def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     return hf_config.get("text_config") or hf_config
 
 
+DTYPES = ("float32", "bfloat16")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load: a resolved HF folder and its config.json contents."""
@@ -21,10 +24,16 @@ class ModelConfig:
     hf_config: dict[str, Any]
     max_model_len: int
     name: str = ""
+    # What the linear layers and the logits head compute in (DTYPES): "bfloat16" rounds their
+    # weights and inputs to bf16 and sums in fp32 (the CPU kernels, where the CPU has
+    # AVX512_BF16); everything else stays fp32.
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     @property
     def architecture(self) -> str:

@@ -95,7 +95,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.backend = get_backend(config.device, config.num_threads, config.graph.graph_mode)
+        self.backend = get_backend(
+            config.device, config.num_threads, config.graph.graph_mode, config.model.dtype
+        )
         self.tokenizer = Tokenizer(config.model.path)
         self.runner = make_runner(config, self.backend)  # rank 0 of a TP group when sharded
         self.vision = self.runner.vision  # None for a text-only model

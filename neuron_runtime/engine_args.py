@@ -7,6 +7,7 @@ from typing import Any
 
 from neuron_runtime.backends.base import default_graph_mode
 from neuron_runtime.config import (
+    DTYPES,
     CacheConfig,
     EngineConfig,
     GraphConfig,
@@ -68,6 +69,10 @@ class EngineArgs:
     # reference for token identity); "gguf" keeps the file's Q4_1 / Q8_0 blocks on the CPU
     # kernels (backends/cpu_ops.py; one process on the CPU, other tensor types fp32).
     quantization: str | None = None
+    # What the linear layers and the logits head compute in: "float32" (the reference), or
+    # "bfloat16" (weights and their inputs rounded to bf16, fp32 sums; norms, attention and
+    # the KV cache stay fp32): on the CPU kernels where the CPU has AVX512_BF16, eager only.
+    dtype: str = "float32"
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
@@ -83,6 +88,7 @@ class EngineArgs:
             hf_config=hf_config,
             max_model_len=self.max_model_len or limit,
             name=self.model,
+            dtype=self._checked_dtype(),
         )
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
@@ -126,6 +132,20 @@ class EngineArgs:
             speculative=self._speculative_config(),
             parallel=parallel,
         )
+
+    def _checked_dtype(self) -> str:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "float32":
+            return self.dtype
+        graph_mode = self.graph_mode or default_graph_mode(self.device)
+        if self.device != "cpu" or graph_mode != "eager" or self.quantization == "gguf":
+            raise ValueError(
+                f"dtype {self.dtype!r} runs on the CPU kernels (device 'cpu', graph_mode "
+                f"'eager', no GGUF quantization), got device {self.device!r}, graph_mode "
+                f"{graph_mode!r}, quantization {self.quantization!r}"
+            )
+        return self.dtype
 
     def _with_quantization(self, path: Any, hf_config: dict[str, Any]) -> dict[str, Any]:
         """``hf_config`` with a GGUF ``quantization_config`` when the source file's quantized

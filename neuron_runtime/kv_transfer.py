@@ -45,8 +45,10 @@ class KVTransferError(ValueError):
 
 
 def model_fingerprint(model: ModelConfig) -> str:
-    """Names the weights' architecture and shapes: sha256 of the model's config.json contents."""
-    text = json.dumps(model.hf_config, sort_keys=True, default=str)
+    """Names the weights' architecture and shapes: sha256 of the model's config.json contents,
+    and the dtype its linear layers compute in where that is not fp32 (their KV differs)."""
+    config = model.hf_config if model.dtype == "float32" else [model.hf_config, model.dtype]
+    text = json.dumps(config, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -55,11 +55,18 @@ def default_graph_mode(device: str) -> str:
     return backend_class(device).graph_modes[0]
 
 
-def get_backend(name: str, num_threads: int | None = None, graph_mode: str = "eager") -> Backend:
-    """Creates the named backend for ``graph_mode``; ValueError names the choices."""
+def get_backend(
+    name: str, num_threads: int | None = None, graph_mode: str = "eager", dtype: str = "float32"
+) -> Backend:
+    """Creates the named backend for ``graph_mode`` and the linear layers' ``dtype``
+    (ModelConfig.dtype); ValueError names the choices."""
     cls = backend_class(name)
     if graph_mode not in cls.graph_modes:
         raise ValueError(
             f"device {name!r} runs graph_mode {', '.join(cls.graph_modes)}, not {graph_mode!r}"
         )
-    return cls(num_threads=num_threads, graph_mode=graph_mode)  # type: ignore[call-arg]
+    if dtype == "float32":
+        return cls(num_threads=num_threads, graph_mode=graph_mode)  # type: ignore[call-arg]
+    if dtype not in getattr(cls, "dtypes", ("float32",)) or graph_mode != "eager":
+        raise ValueError(f"dtype {dtype!r} runs on device 'cpu' in graph_mode 'eager' only")
+    return cls(num_threads=num_threads, graph_mode=graph_mode, dtype=dtype)  # type: ignore[call-arg]

@@ -1,4 +1,5 @@
-"""CPU backend: fp32 (no native bf16 on the target CPUs), a fixed torch thread count.
+"""CPU backend: fp32 (bf16 linear layers as an option where the CPU has AVX512_BF16), a fixed
+torch thread count.
 
 Eager steps run on the fused C kernels (``CPUKernelOps``) when they build, else on torch ops.
 """
@@ -12,6 +13,7 @@ from neuron_runtime.backends.cpu_kernels import default_num_threads, kernels
 from neuron_runtime.backends.cpu_ops import CPUKernelOps
 from neuron_runtime.backends.ops import TORCH_OPS, Ops
 from neuron_runtime.backends.static.ops import STATIC_OPS
+from neuron_runtime.config import DTYPES
 
 
 def to_input_major(model: nn.Module) -> None:
@@ -30,15 +32,24 @@ def to_input_major(model: nn.Module) -> None:
 class CPUBackend:
     name = "cpu"
     graph_modes = ("eager", "inductor")
+    dtypes = DTYPES  # "bfloat16": on the kernels, where the CPU has AVX512_BF16
 
-    def __init__(self, num_threads: int | None = None, graph_mode: str = "eager") -> None:
+    def __init__(
+        self, num_threads: int | None = None, graph_mode: str = "eager", dtype: str = "float32"
+    ) -> None:
         self.device = torch.device("cpu")
         if num_threads is None:
             num_threads = default_num_threads()
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         fused = kernels()  # None: no compiler, or turned off
-        self.ops: Ops = TORCH_OPS if fused is None else CPUKernelOps(fused)
+        if dtype == "bfloat16" and (fused is None or not fused.has_bf16):
+            raise ValueError(
+                "dtype 'bfloat16' runs on the CPU kernels of a CPU with AVX512_BF16; "
+                + ("the kernels are off here" if fused is None else "this CPU has none")
+                + ": use dtype 'float32'"
+            )
+        self.ops: Ops = TORCH_OPS if fused is None else CPUKernelOps(fused, dtype)
         if graph_mode != "eager":  # compiled graphs: the kernels' ctypes calls cannot trace
             self.ops = STATIC_OPS
         # On the kernels their pool does the parallel work and torch's keeps one thread: its

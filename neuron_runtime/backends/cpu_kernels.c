@@ -423,9 +423,11 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t i
 }
 
 struct linear_job {
-    const float *x, *packed, *bias;
+    const void *x, *packed; /* fp32, or bf16 pairs (packed_linear_bf16) */
+    const float *bias;
     float *y;
     int64_t m, in, out, panels, chunks, chunk_panels;
+    int bf16;
 };
 
 /* Rows [r0, r1) (one row block) times panels [p0, p1). */
@@ -433,7 +435,7 @@ static void linear_block(const struct linear_job *j, int64_t r0, int64_t r1, int
                          int64_t p1) {
     const int64_t in = j->in, out = j->out;
     for (int64_t p = p0; p < p1; p++) {
-        const float *panel = j->packed + p * in * PANEL;
+        const float *panel = (const float *)j->packed + p * in * PANEL;
         const int64_t c0 = p * PANEL, cols = out - c0 < PANEL ? out - c0 : PANEL;
         const float *b = j->bias != NULL ? j->bias + c0 : NULL;
         float *yp = j->y + c0;
@@ -469,6 +471,11 @@ static void linear_block(const struct linear_job *j, int64_t r0, int64_t r1, int
     }
 }
 
+#if defined(__AVX512BF16__)
+static void linear_block_bf16(const struct linear_job *j, int64_t r0, int64_t r1, int64_t p0,
+                              int64_t p1);
+#endif
+
 /* Task t: row block t / chunks, panels of chunk t % chunks. */
 static void linear_tasks(const void *ctx, int64_t begin, int64_t end) {
     const struct linear_job *j = ctx;
@@ -476,6 +483,12 @@ static void linear_tasks(const void *ctx, int64_t begin, int64_t end) {
         const int64_t r0 = t / j->chunks * ROW_BLOCK, p0 = t % j->chunks * j->chunk_panels;
         const int64_t r1 = r0 + ROW_BLOCK < j->m ? r0 + ROW_BLOCK : j->m;
         const int64_t p1 = p0 + j->chunk_panels < j->panels ? p0 + j->chunk_panels : j->panels;
+#if defined(__AVX512BF16__)
+        if (j->bf16) {
+            linear_block_bf16(j, r0, r1, p0, p1);
+            continue;
+        }
+#endif
         linear_block(j, r0, r1, p0, p1);
     }
 }
@@ -485,8 +498,8 @@ static void linear_tasks(const void *ctx, int64_t begin, int64_t end) {
  * for many rows, the row blocks: each output element is still one tile's sum, in the same
  * order as on one thread.
  */
-void packed_linear(const float *x, const float *packed, const float *bias, float *y, int64_t m,
-                   int64_t in, int64_t out) {
+static void run_linear(const void *x, const void *packed, const float *bias, float *y,
+                       int64_t m, int64_t in, int64_t out, int bf16) {
     const int64_t panels = (out + PANEL - 1) / PANEL;
     const int64_t row_blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
     /* Enough tasks for TASKS_PER_THREAD each, in as few chunks per row block as that takes. */
@@ -495,9 +508,100 @@ void packed_linear(const float *x, const float *packed, const float *bias, float
     chunks = chunks < panels ? chunks : panels;
     const int64_t chunk_panels = (panels + chunks - 1) / chunks;
     chunks = (panels + chunk_panels - 1) / chunk_panels;
-    const struct linear_job job = {x, packed, bias, y, m, in, out, panels, chunks, chunk_panels};
+    const struct linear_job job = {x,   packed, bias,   y,           m,   in,
+                                   out, panels, chunks, chunk_panels, bf16};
     parallel_for(linear_tasks, &job, row_blocks * chunks, 1);
 }
+
+void packed_linear(const float *x, const float *packed, const float *bias, float *y, int64_t m,
+                   int64_t in, int64_t out) {
+    run_linear(x, packed, bias, y, m, in, out, 0);
+}
+
+/*
+ * The same GEMM in bf16 where the CPU has AVX512_BF16 (cpu_kernels.py, CPUKernels.pack_bf16):
+ * x is [m, in] bf16 and a panel holds, for each pair of inputs (2i, 2i + 1), PANEL 32-bit
+ * lanes, lane j the two bf16 weights of column j (input 2i in the low half). One VDPBF16PS
+ * adds both products of a pair to each of 16 fp32 sums: twice the multiply-adds of an fp32
+ * FMA per instruction, on half the weight bytes. The products of two bf16 values are exact in
+ * fp32; the sums are fp32, in the same order for a row whatever the batch or thread count.
+ */
+#if defined(__AVX512BF16__)
+int64_t has_bf16(void) { return 1; }
+
+static inline __attribute__((always_inline)) void tile_bf16(const uint32_t *x, int64_t pairs,
+                                                            const uint32_t *panel,
+                                                            const float *bias, float *y,
+                                                            int64_t out, int64_t cols, int rows,
+                                                            const uint32_t *ahead,
+                                                            int64_t ahead_every) {
+    __m512 acc[TILE_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    int64_t countdown = ahead_every;
+    for (int64_t i = 0; i < pairs; i++) {
+        if (ahead != NULL && --countdown == 0) {
+            __builtin_prefetch(ahead, 0, 3);
+            ahead += 16;
+            countdown = ahead_every;
+        }
+        const __m512bh w0 = (__m512bh)_mm512_load_si512(panel + i * PANEL);
+        const __m512bh w1 = (__m512bh)_mm512_load_si512(panel + i * PANEL + 16);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)x[r * pairs + i]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, w1);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float sums[PANEL];
+        _mm512_storeu_ps(sums, acc[r][0]);
+        _mm512_storeu_ps(sums + 16, acc[r][1]);
+        store_row(sums, bias, y + r * out, cols);
+    }
+}
+
+/* Rows [r0, r1) (one row block) times panels [p0, p1), as linear_block. */
+static void linear_block_bf16(const struct linear_job *j, int64_t r0, int64_t r1, int64_t p0,
+                              int64_t p1) {
+    const int64_t pairs = j->in / 2, out = j->out;
+    const uint32_t *x = j->x;
+    for (int64_t p = p0; p < p1; p++) {
+        const uint32_t *panel = (const uint32_t *)j->packed + p * pairs * PANEL;
+        const int64_t c0 = p * PANEL, cols = out - c0 < PANEL ? out - c0 : PANEL;
+        const float *b = j->bias != NULL ? j->bias + c0 : NULL;
+        float *yp = j->y + c0;
+        const int64_t tiles = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS;
+        const int64_t lines = pairs * PANEL / 16;
+        const int64_t every = tiles > 2 ? (pairs * tiles + lines - 1) / lines : 0;
+        const uint32_t *ahead = tiles > 2 && p + 1 < p1 ? panel + pairs * PANEL : NULL;
+        int64_t r = r0;
+#define TILE(n)                                                                              \
+    do {                                                                                     \
+        tile_bf16(x + r * pairs, pairs, panel, b, yp + r * out, out, cols, n, ahead, every);  \
+        if (ahead != NULL) ahead += (pairs / every) * 16;                                    \
+        r += n;                                                                              \
+    } while (0)
+        while (r + TILE_ROWS <= r1) TILE(TILE_ROWS);
+        if (r + 4 <= r1) TILE(4);
+        if (r + 2 <= r1) TILE(2);
+        if (r < r1) TILE(1);
+#undef TILE
+    }
+}
+
+void packed_linear_bf16(const uint16_t *x, const uint32_t *packed, const float *bias, float *y,
+                        int64_t m, int64_t in, int64_t out) {
+    run_linear(x, packed, bias, y, m, in, out, 1);
+}
+#else
+int64_t has_bf16(void) { return 0; }
+
+void packed_linear_bf16(const uint16_t *x, const uint32_t *packed, const float *bias, float *y,
+                        int64_t m, int64_t in, int64_t out) {
+    (void)x, (void)packed, (void)bias, (void)y, (void)m, (void)in, (void)out;
+    abort(); /* cpu_kernels.py asks has_bf16 first */
+}
+#endif
 
 /*
  * The same GEMM on weights that stay in their GGUF quantization (cpu_kernels.py,

@@ -38,6 +38,7 @@ BUILD_TIMEOUT_S = 120
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "packed_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "packed_linear_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "packed_linear_q4_1": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "packed_linear_q8_0": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
@@ -125,8 +126,13 @@ class CPUKernels:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
-        lib.num_threads.argtypes, lib.num_threads.restype = [], _i64
+        for name in ("num_threads", "has_bf16"):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [], _i64
         self._lib = lib
+        # Whether this CPU runs bf16 dot products natively (AVX512_BF16) and the library was
+        # built with them: pack_bf16's panels need it.
+        self.has_bf16 = bool(lib.has_bf16())
 
     def set_num_threads(self, n: int) -> None:
         """Sizes the kernels' thread pool to ``n`` threads, the calling one included.
@@ -151,6 +157,19 @@ class CPUKernels:
         padded = weight.detach().float().new_zeros(panels * cls.PANEL, width)
         padded[:out] = weight.detach()
         return padded.view(panels, cls.PANEL, width).transpose(1, 2).contiguous()
+
+    @classmethod
+    def pack_bf16(cls, weight: torch.Tensor) -> torch.Tensor:
+        """A Linear weight ``[out, in]`` (``in`` even) rounded to bf16 (to nearest even) as
+        ``[ceil(out / PANEL), in / 2, PANEL, 2]`` panels for ``linear``: for each pair of
+        inputs, PANEL columns' two weights side by side (cpu_kernels.c, packed_linear_bf16)."""
+        out, width = weight.shape
+        if width % 2:
+            raise ValueError(f"bf16 panels need an even input width, got {width}")
+        panels = -(-out // cls.PANEL)
+        padded = weight.detach().new_zeros(panels * cls.PANEL, width, dtype=torch.bfloat16)
+        padded[:out] = weight.detach()
+        return padded.view(panels, cls.PANEL, width // 2, 2).permute(0, 2, 1, 3).contiguous()
 
     @classmethod
     def pack_q4_1(cls, blocks: np.ndarray | bytes, out: int, width: int) -> QuantizedPanels:
@@ -191,15 +210,22 @@ class CPUKernels:
         out: int,
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` for ``x`` [m, in] and ``packed = pack(weight)`` (or
-        ``pack_q4_1`` / ``pack_q8_0`` of its GGUF blocks); [m, out]."""
+        ``pack_bf16`` of it: ``x`` rounded to bf16 too, fp32 sums; or ``pack_q4_1`` /
+        ``pack_q8_0`` of its GGUF blocks); [m, out]."""
         if isinstance(packed, QuantizedPanels):
             return self._quantized_linear(x, packed, bias, out)
         assert x.is_contiguous() and packed.is_contiguous() and packed.data_ptr() % 64 == 0
         assert bias is None or bias.is_contiguous()
         rows, width = x.shape
-        assert packed.shape == (-(-out // self.PANEL), width, self.PANEL)
         y = x.new_empty(rows, out)
-        self._lib.packed_linear(
+        if packed.dtype == torch.bfloat16:
+            assert self.has_bf16 and x.dtype == torch.float32
+            assert packed.shape == (-(-out // self.PANEL), width // 2, self.PANEL, 2)
+            fn, x = self._lib.packed_linear_bf16, x.to(torch.bfloat16)
+        else:
+            assert packed.shape == (-(-out // self.PANEL), width, self.PANEL)
+            fn = self._lib.packed_linear
+        fn(
             x.data_ptr(),
             packed.data_ptr(),
             None if bias is None else bias.data_ptr(),

@@ -56,8 +56,9 @@ class CPUKernelOps(Ops):
     name = "cpu_kernels"
     decode_rows_any_order = True  # paged_decode_attention: one block table and length per row
 
-    def __init__(self, kernels: CPUKernels) -> None:
+    def __init__(self, kernels: CPUKernels, dtype: str = "float32") -> None:
         self.kernels = kernels
+        self.dtype = dtype  # ModelConfig.dtype: "bfloat16" packs bf16 panels
 
     def attach(self, model: nn.Module) -> None:
         """Also repacks every ``Linear`` weight into the kernels' panel layout, dropping the
@@ -74,7 +75,7 @@ class CPUKernelOps(Ops):
                     module.quantized = panels
                     module.packed = None
                 else:
-                    module.packed = self.kernels.pack(module.weight)
+                    module.packed = self._pack_weight(module.weight)
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
     def _quantized_linears(self, model: nn.Module) -> dict[str, QuantizedPanels]:
@@ -146,6 +147,12 @@ class CPUKernelOps(Ops):
         pack = self.kernels.pack_q4_1 if fmt == "q4_1" else self.kernels.pack_q8_0
         return pack(blocks, out, width)
 
+    def _pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 panels, or bf16 ones for dtype "bfloat16" (an odd input width stays fp32)."""
+        if self.dtype == "bfloat16" and weight.shape[1] % 2 == 0:
+            return self.kernels.pack_bf16(weight)
+        return self.kernels.pack(weight)
+
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         packed: torch.Tensor | QuantizedPanels | None = layer.quantized
         if packed is None:
@@ -163,7 +170,7 @@ class CPUKernelOps(Ops):
         if quantized is not None and quantized[0] is weight:  # still the weight it was made of
             return self.kernels.linear(hidden.contiguous(), quantized[1], None, weight.shape[0])
         if head.packed.numel() == 0:
-            head.packed = self.kernels.pack(weight)
+            head.packed = self._pack_weight(weight)
         return self.kernels.linear(hidden.contiguous(), head.packed, None, weight.shape[0])
 
     def add_rms_norm(

@@ -149,7 +149,9 @@ def run_worker(config: EngineConfig, rank: int, init_method: str) -> None:
     """A rank other than 0: load this rank's shard, then run rank 0's calls until STOP."""
     state = _join_group(config, rank, init_method)
     with use_parallel_state(state):
-        runner = ModelRunner(config, get_backend(config.device, config.num_threads))
+        runner = ModelRunner(
+            config, get_backend(config.device, config.num_threads, dtype=config.model.dtype)
+        )
     tp = state.tp
     while True:
         msg: RunnerCall = tp.broadcast_object(None, src=0)
