@@ -1,5 +1,6 @@
-"""The CPU kernels' packed GEMM on a model's linear layers: fp32 panels, the GGUF's Q4_1 /
-Q8_0 blocks (when the model is a GGUF), and torch's ``F.linear`` (MKL).
+"""The CPU kernels' packed GEMM on a model's linear layers: fp32 panels, bf16 panels (where
+the CPU has AVX512_BF16), the GGUF's Q4_1 / Q8_0 blocks (when the model is a GGUF), and
+torch's ``F.linear`` (MKL).
 
 Runs every Linear of the model's decoder stack (qkv, o, gate_up, down) once per row count and
 thread count, every way in turn (A B C A B C ...), and prints the best of ``--repeats`` times,
@@ -78,6 +79,9 @@ def main() -> None:
     q8 = GGMLQuantizationType.Q8_0
     packed["q8_0"] = [fused.pack_q8_0(quantize(w.numpy(), q8), *w.shape) for w, _ in weights]
     head = {"fp32": fused.pack(emb)}
+    if fused.has_bf16:  # dtype "bfloat16": the same weights rounded to bf16
+        packed["bf16"] = [fused.pack_bf16(w) for w, _ in weights]
+        head["bf16"] = fused.pack_bf16(emb)
     if "quantization_config" in cfg.hf_config:
         CPUKernelOps(fused).attach(model)  # packs the GGUF blocks
         gguf = [getattr(m, "quantized", None) for m in layers]
@@ -88,10 +92,13 @@ def main() -> None:
         if quantized_head is not None:
             head[f"gguf {quantized_head[1].format}"] = quantized_head[1]
     nbytes = {
-        k: sum((p.nbytes if hasattr(p, "nbytes") else p.numel() * 4) for p in v)
+        k: sum((p.nbytes if hasattr(p, "nbytes") else p.numel() * p.element_size()) for p in v)
         for k, v in packed.items()
     }
-    head_bytes = {k: (p.nbytes if hasattr(p, "nbytes") else p.numel() * 4) for k, p in head.items()}
+    head_bytes = {
+        k: (p.nbytes if hasattr(p, "nbytes") else p.numel() * p.element_size())
+        for k, p in head.items()
+    }
     params = sum(w.numel() for w, _ in weights)
     print(f"CPU {cpu_model()}; load {load_before}")
     print(

@@ -390,6 +390,7 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
         engine_args={
             "max_num_seqs": args.max_num_seqs,
             "kv_cache_memory_bytes": args.kv_cache_mib << 20,
+            "dtype": args.dtype,
         },
         disaggregation=DisaggregationArgs(
             **{
@@ -441,7 +442,7 @@ class VLLMServer:
             f"--served-model-name={args.model}",
             "--host=127.0.0.1",
             f"--port={self.port}",
-            "--dtype=float32",
+            f"--dtype={args.dtype}",
             f"--max-model-len={args.max_model_len}",
             f"--max-num-seqs={args.max_num_seqs}",
             f"--kv-cache-memory-bytes={args.kv_cache_mib << 20}",
@@ -704,6 +705,12 @@ def main() -> None:
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
     parser.add_argument("--no-offline", action="store_true", help="skip the in-process engine")
     parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="every engine's (ours: EngineArgs.dtype, the linear layers in bf16; vLLM's --dtype)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -750,7 +757,8 @@ def main() -> None:
     rows.update(serve_rounds(args, prompts, slo, concurrencies, loads))
     loads.append(os.getloadavg()[0])
     print(
-        f"{args.model}, {args.input_len}-token prompts, {args.output_len} output tokens, greedy, "
+        f"{args.model} ({args.dtype}), {args.input_len}-token prompts, {args.output_len} output "
+        "tokens, greedy, "
         f"ignore_eos; offline/vLLM threads {args.threads}, max_num_seqs {args.max_num_seqs}; "
         f"load average {min(loads):.2f}-{max(loads):.2f}"
     )
@@ -1032,6 +1040,7 @@ async def offline_round(
             max_num_seqs=args.max_num_seqs,
             kv_cache_memory_bytes=args.kv_cache_mib << 20,
             num_threads=args.threads,
+            dtype=args.dtype,
         )
     )
 

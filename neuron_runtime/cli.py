@@ -8,7 +8,7 @@ import sys
 
 from neuron_runtime.accuracy.command import add_validate_command, run_validate
 from neuron_runtime.async_engine import AsyncEngine
-from neuron_runtime.config import GRAPH_MODES
+from neuron_runtime.config import DTYPES, GRAPH_MODES
 from neuron_runtime.engine_args import EngineArgs
 from neuron_runtime.sampling_params import SamplingParams
 
@@ -34,6 +34,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="eager, or graphs compiled per shape bucket (default: the device's own)",
     )
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=list(DTYPES),
+        help="what the linear layers compute in (bfloat16: CPUs with AVX512_BF16)",
+    )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -51,6 +57,7 @@ def _engine(args: argparse.Namespace) -> AsyncEngine:
             device=args.device,
             num_threads=args.num_threads,
             graph_mode=args.graph_mode,
+            dtype=args.dtype,
         )
     )
 

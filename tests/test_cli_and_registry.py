@@ -9,12 +9,17 @@ import sys
 import pytest
 
 from neuron_runtime import LLM, SamplingParams
+from neuron_runtime.backends import cpu_kernels
 
 
-def test_cli_generate_prints_the_offline_greedy_text(tiny_llama_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cli_generate_prints_the_offline_greedy_text(tiny_llama_path, dtype):
+    fused = cpu_kernels.kernels()
+    if dtype == "bfloat16" and (fused is None or not fused.has_bf16):
+        pytest.skip("this CPU has no AVX512_BF16")
     prompt = "Once upon a time"
     expected = (
-        LLM(model=str(tiny_llama_path), max_model_len=256, num_kv_blocks=32)
+        LLM(model=str(tiny_llama_path), max_model_len=256, num_kv_blocks=32, dtype=dtype)
         .generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0]
         .outputs[0]
         .text
@@ -33,6 +38,8 @@ def test_cli_generate_prints_the_offline_greedy_text(tiny_llama_path):
             prompt,
             "--max-tokens",
             "8",
+            "--dtype",
+            dtype,
         ],
         capture_output=True,
         text=True,
