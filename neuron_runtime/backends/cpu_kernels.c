@@ -520,7 +520,7 @@ void packed_linear(const float *x, const float *packed, const float *bias, float
 
 /*
  * The same GEMM in bf16 where the CPU has AVX512_BF16 (cpu_kernels.py, CPUKernels.pack_bf16):
- * x is [m, in] bf16 and a panel holds, for each pair of inputs (2i, 2i + 1), PANEL 32-bit
+ * x ([m, in] fp32) is rounded to bf16 once per call, by the calling thread, and a panel holds, for each pair of inputs (2i, 2i + 1), PANEL 32-bit
  * lanes, lane j the two bf16 weights of column j (input 2i in the low half). One VDPBF16PS
  * adds both products of a pair to each of 16 fp32 sums: twice the multiply-adds of an fp32
  * FMA per instruction, on half the weight bytes. The products of two bf16 values are exact in
@@ -589,15 +589,49 @@ static void linear_block_bf16(const struct linear_job *j, int64_t r0, int64_t r1
     }
 }
 
-void packed_linear_bf16(const uint16_t *x, const uint32_t *packed, const float *bias, float *y,
-                        int64_t m, int64_t in, int64_t out) {
-    run_linear(x, packed, bias, y, m, in, out, 1);
+static pthread_key_t bf16_inputs_key;
+static pthread_once_t bf16_inputs_once = PTHREAD_ONCE_INIT;
+static __thread uint16_t *bf16_inputs;
+static __thread int64_t bf16_inputs_size;
+
+static void make_bf16_inputs_key(void) { pthread_key_create(&bf16_inputs_key, free); }
+
+/* x ([m, in] fp32) rounded to bf16 (to nearest even; denormals to zero) in this thread's
+ * buffer, grown as needed and freed when the thread ends; NULL when it cannot grow. */
+static const uint16_t *bf16_rounded(const float *x, int64_t n) {
+    if (bf16_inputs_size < n) {
+        pthread_once(&bf16_inputs_once, make_bf16_inputs_key);
+        free(bf16_inputs);
+        bf16_inputs = aligned_alloc(64, (size_t)((n + 31) / 32 * 64));
+        bf16_inputs_size = bf16_inputs != NULL ? n : 0;
+        pthread_setspecific(bf16_inputs_key, bf16_inputs);
+        if (bf16_inputs == NULL) return NULL;
+    }
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(bf16_inputs + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    if (i < n) {
+        const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
+        const __m512 rest = _mm512_maskz_loadu_ps(tail, x + i);
+        _mm256_mask_storeu_epi16(bf16_inputs + i, tail, (__m256i)_mm512_cvtneps_pbh(rest));
+    }
+    return bf16_inputs;
+}
+
+/* Returns -1 (nothing written) when the buffer for x in bf16 cannot be allocated. */
+int64_t packed_linear_bf16(const float *x, const uint32_t *packed, const float *bias, float *y,
+                           int64_t m, int64_t in, int64_t out) {
+    const uint16_t *xb = bf16_rounded(x, m * in);
+    if (xb == NULL) return -1;
+    run_linear(xb, packed, bias, y, m, in, out, 1);
+    return 0;
 }
 #else
 int64_t has_bf16(void) { return 0; }
 
-void packed_linear_bf16(const uint16_t *x, const uint32_t *packed, const float *bias, float *y,
-                        int64_t m, int64_t in, int64_t out) {
+int64_t packed_linear_bf16(const float *x, const uint32_t *packed, const float *bias, float *y,
+                           int64_t m, int64_t in, int64_t out) {
     (void)x, (void)packed, (void)bias, (void)y, (void)m, (void)in, (void)out;
     abort(); /* cpu_kernels.py asks has_bf16 first */
 }

@@ -38,7 +38,6 @@ BUILD_TIMEOUT_S = 120
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "packed_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
-    "packed_linear_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "packed_linear_q4_1": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "packed_linear_q8_0": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
@@ -129,6 +128,8 @@ class CPUKernels:
         for name in ("num_threads", "has_bf16"):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = [], _i64
+        lib.packed_linear_bf16.argtypes = _SIGNATURES["packed_linear"]
+        lib.packed_linear_bf16.restype = _i64
         self._lib = lib
         # Whether this CPU runs bf16 dot products natively (AVX512_BF16) and the library was
         # built with them: pack_bf16's panels need it.
@@ -218,14 +219,7 @@ class CPUKernels:
         assert bias is None or bias.is_contiguous()
         rows, width = x.shape
         y = x.new_empty(rows, out)
-        if packed.dtype == torch.bfloat16:
-            assert self.has_bf16 and x.dtype == torch.float32
-            assert packed.shape == (-(-out // self.PANEL), width // 2, self.PANEL, 2)
-            fn, x = self._lib.packed_linear_bf16, x.to(torch.bfloat16)
-        else:
-            assert packed.shape == (-(-out // self.PANEL), width, self.PANEL)
-            fn = self._lib.packed_linear
-        fn(
+        args = (
             x.data_ptr(),
             packed.data_ptr(),
             None if bias is None else bias.data_ptr(),
@@ -234,6 +228,14 @@ class CPUKernels:
             width,
             out,
         )
+        if packed.dtype == torch.bfloat16:  # x is rounded to bf16 inside
+            assert self.has_bf16 and x.dtype == torch.float32
+            assert packed.shape == (-(-out // self.PANEL), width // 2, self.PANEL, 2)
+            if self._lib.packed_linear_bf16(*args) != 0:
+                raise MemoryError(f"no memory to round a [{rows}, {width}] input to bf16")
+        else:
+            assert packed.shape == (-(-out // self.PANEL), width, self.PANEL)
+            self._lib.packed_linear(*args)
         return y
 
     def _quantized_linear(
