@@ -36,8 +36,9 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11", "-p
 BUILD_TIMEOUT_S = 120
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_LINEAR: list[type] = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]  # x, packed, bias, y, m, in, out
 _SIGNATURES = {
-    "packed_linear": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "packed_linear": _LINEAR,
     "packed_linear_q4_1": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "packed_linear_q8_0": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
@@ -128,7 +129,7 @@ class CPUKernels:
         for name in ("num_threads", "has_bf16"):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = [], _i64
-        lib.packed_linear_bf16.argtypes = _SIGNATURES["packed_linear"]
+        lib.packed_linear_bf16.argtypes = _LINEAR
         lib.packed_linear_bf16.restype = _i64
         self._lib = lib
         # Whether this CPU runs bf16 dot products natively (AVX512_BF16) and the library was
