@@ -97,6 +97,9 @@ def test_engine_config_limits_are_the_engines_own(tiny_llama_path):
         validate_args(build)
     with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
         validate_args(args(tiny_llama_path, max_model_len=256, engine_args={"block_size": 0}))
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'float16'"):
+        validate_args(args(tiny_llama_path, max_model_len=256, engine_args={"dtype": "float16"}))
+    validate_args(args(tiny_llama_path, max_model_len=256, engine_args={"dtype": "bfloat16"}))
 
 
 def test_missing_model_is_refused(tmp_path):

@@ -169,6 +169,39 @@ def test_chat_greedy_equals_offline_llm(client, offline_llm):
     assert reply.usage.completion_tokens == len(expected.outputs[0].token_ids)
 
 
+def test_bf16_app_serves_the_offline_bf16_engines_tokens(server):
+    """``engine_args: {dtype: bfloat16}`` in a served app: its streamed chat is the offline
+    engine's with the same dtype, token for token."""
+    from app.builder import BuildArgs, build_openai_app
+    from neuron_runtime import LLM, SamplingParams
+    from neuron_runtime.backends.cpu_kernels import kernels
+
+    fused = kernels()
+    if fused is None or not fused.has_bf16:
+        pytest.skip("this CPU has no AVX512_BF16")
+    app = build_openai_app(
+        BuildArgs(
+            max_model_len=MAX_MODEL_LEN,
+            embedding_model=None,
+            engine_args={"num_kv_blocks": 64, "dtype": "bfloat16"},
+        ),
+        llm_options={"ray_actor_options": {"num_cpus": 0.5}},
+        ingress_options={"ray_actor_options": {"num_cpus": 0.1}},
+    )
+    serve.run(app, name="bf16", route_prefix="/bf16")
+    try:
+        bf16 = openai.OpenAI(base_url=f"{server}/bf16/v1", api_key="unused", max_retries=0)
+        stream = bf16.chat.completions.create(
+            model=MODEL, messages=QUESTION, temperature=0, max_tokens=24, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    finally:
+        serve.delete("bf16")
+    offline = LLM(model=MODEL, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, dtype="bfloat16")
+    (expected,) = offline.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24))
+    assert text == expected.outputs[0].text and "Paris" in text
+
+
 def test_chat_stream_equals_non_stream_and_reports_usage(client):
     kwargs = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=12)
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
