@@ -14,6 +14,7 @@ same tokens. For each batch size B:
 - cores: CPU seconds of this process / wall seconds over the N-token run
 
     python bench/threads.py [--threads 1,2[,2t]] [--batches 1,8,32] [--tokens 64]
+        [--dtypes float32[,bfloat16]]
         [--repeats 3] [--json bench/results/threads.json]
 """
 
@@ -85,36 +86,51 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--dtypes",
+        default="float32",
+        help="one engine per dtype (EngineArgs.dtype), each run at every thread setting in turn",
+    )
     parser.add_argument("--json", default="bench/results/threads.json")
     args = parser.parse_args()
-    settings = args.threads.split(",")
+    thread_settings = args.threads.split(",")
+    dtypes = args.dtypes.split(",")
+    # A setting is "<threads>" for the first dtype, "<threads> <dtype>" for the others.
+    settings = [n if d == dtypes[0] else f"{n} {d}" for d in dtypes for n in thread_settings]
     batches = [int(b) for b in args.batches.split(",")]
     if kernels() is None:
         raise SystemExit("the CPU kernels are off or did not build: nothing to scale")
 
     uptime_before = uptime()
-    llm = LLM(
-        model=args.model,
-        max_model_len=2048,
-        enable_prefix_caching=False,
-        max_num_seqs=max(batches),
-        num_threads=int(settings[0].removesuffix("t")),
-    )
-    encode = llm.get_tokenizer().encode
+    llms = {
+        d: LLM(
+            model=args.model,
+            max_model_len=2048,
+            enable_prefix_caching=False,
+            max_num_seqs=max(batches),
+            num_threads=int(thread_settings[0].removesuffix("t")),
+            dtype=d,
+        )
+        for d in dtypes
+    }
+    encode = llms[dtypes[0]].get_tokenizer().encode
     prompts = {b: [encode(PROMPT.format(i=i)) for i in range(b)] for b in batches}
-    for b in batches:  # first use of each batch shape is not timed
-        run(llm, prompts[b], 2)
+    for llm in llms.values():
+        for b in batches:  # first use of each batch shape is not timed
+            run(llm, prompts[b], 2)
 
     runs: dict[str, dict[int, list[dict]]] = {n: {b: [] for b in batches} for n in settings}
-    reference: dict[int, list] = {}
+    reference: dict[tuple[str, int], list] = {}  # greedy tokens per dtype and batch
     identical = True
     for _ in range(args.repeats):
         for n in settings:
-            set_threads(n)
+            threads, _, dtype = n.partition(" ")
+            set_threads(threads)
+            llm = llms[dtype or dtypes[0]]
             for b in batches:
                 one, _, _ = run(llm, prompts[b], 1)
                 wall, cpu, tokens = run(llm, prompts[b], args.tokens)
-                identical &= reference.setdefault(b, tokens) == tokens
+                identical &= reference.setdefault((dtype, b), tokens) == tokens
                 runs[n][b].append(
                     {"one_s": one, "n_s": wall, "cpu_s": cpu, "loadavg_1m": os.getloadavg()[0]}
                 )
@@ -137,20 +153,24 @@ def main() -> None:
     print(f"CPU: {cpu_model()}; before: {uptime_before}")
     print(
         f"model={args.model} tokens={args.tokens} repeats={args.repeats} "
-        f"medians, ratios to threads={base} (Nt: torch's pool at N threads too, else 1)"
+        f"medians, ratios to threads={base} (Nt: torch's pool at N threads too, else 1); "
+        f"dtype {dtypes[0]} unless named"
     )
-    print(f"{'batch':>5} {'threads':>7} {'TPOT ms':>9} {'tok/s':>8} {'cores':>6} {'speedup':>8}")
+    width = max(7, *(len(n) for n in settings))
+    print(
+        f"{'batch':>5} {'threads':>{width}} {'TPOT ms':>9} {'tok/s':>8} {'cores':>6} {'speedup':>8}"
+    )
     for b in batches:
         for n in settings:
             row = summary[n][b]
             speedup = summary[base][b]["tpot_s"] / row["tpot_s"]
             print(
-                f"{b:>5} {n:>7} {row['tpot_s'] * 1e3:>9.1f} {row['tok_s']:>8.1f} "
+                f"{b:>5} {n:>{width}} {row['tpot_s'] * 1e3:>9.1f} {row['tok_s']:>8.1f} "
                 f"{row['cores']:>6.2f} {speedup:>7.2f}x"
             )
     print("speedup = TPOT at the first setting / TPOT here")
     print(f"after: {uptime_after}")
-    print(f"greedy tokens identical across settings: {identical}")
+    print(f"greedy tokens identical across thread settings (per dtype): {identical}")
 
     result = {
         "model": args.model,
