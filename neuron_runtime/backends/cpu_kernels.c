@@ -430,20 +430,67 @@ struct linear_job {
     int bf16;
 };
 
-/* Rows [r0, r1) (one row block) times panels [p0, p1). */
-static void linear_block(const struct linear_job *j, int64_t r0, int64_t r1, int64_t p0,
-                         int64_t p1) {
-    const int64_t in = j->in, out = j->out;
+#if defined(__AVX512BF16__)
+/* The bf16 tile (packed_linear_bf16 below): x and the panel as 32-bit lanes, each holding a
+ * pair of bf16 values. */
+static inline __attribute__((always_inline)) void tile_bf16(const uint32_t *x, int64_t pairs,
+                                                            const uint32_t *panel,
+                                                            const float *bias, float *y,
+                                                            int64_t out, int64_t cols, int rows,
+                                                            const uint32_t *ahead,
+                                                            int64_t ahead_every) {
+    __m512 acc[TILE_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    int64_t countdown = ahead_every;
+    for (int64_t i = 0; i < pairs; i++) {
+        if (ahead != NULL && --countdown == 0) {
+            __builtin_prefetch(ahead, 0, 3);
+            ahead += 16;
+            countdown = ahead_every;
+        }
+        const __m512bh w0 = (__m512bh)_mm512_load_si512(panel + i * PANEL);
+        const __m512bh w1 = (__m512bh)_mm512_load_si512(panel + i * PANEL + 16);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)x[r * pairs + i]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, w1);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float sums[PANEL];
+        _mm512_storeu_ps(sums, acc[r][0]);
+        _mm512_storeu_ps(sums + 16, acc[r][1]);
+        store_row(sums, bias, y + r * out, cols);
+    }
+}
+
+#define BF16_TILE(n)                                                                         \
+    tile_bf16(x + r * steps, steps, panel, b, yp + r * out, out, cols, n, ahead, every)
+#else
+#define BF16_TILE(n) abort() /* cpu_kernels.py asks has_bf16 first */
+#endif
+
+/*
+ * Rows [r0, r1) (one row block) times panels [p0, p1). A panel is `steps` rows of PANEL
+ * 4-byte lanes: fp32 weights, one input per row, or (bf16, a constant in each caller) pairs of
+ * bf16 weights, two inputs per row; a row of x is `steps` lanes the same way.
+ */
+static inline __attribute__((always_inline)) void linear_block(const struct linear_job *j,
+                                                               int64_t r0, int64_t r1,
+                                                               int64_t p0, int64_t p1,
+                                                               int bf16) {
+    const int64_t steps = bf16 ? j->in / 2 : j->in, out = j->out;
     for (int64_t p = p0; p < p1; p++) {
-        const float *panel = (const float *)j->packed + p * in * PANEL;
+        const uint32_t *panel = (const uint32_t *)j->packed + p * steps * PANEL;
         const int64_t c0 = p * PANEL, cols = out - c0 < PANEL ? out - c0 : PANEL;
         const float *b = j->bias != NULL ? j->bias + c0 : NULL;
         float *yp = j->y + c0;
-        const float *x = j->x;
+        const uint32_t *x = j->x;
 #if !defined(__AVX512F__) && defined(__AVX__)
-        if (r1 - r0 > TILE8_ROWS) {
-            groups16(x + r0 * in, in, panel, b, yp + r0 * out, out, cols, r1 - r0,
-                     p + 1 < p1 ? panel + in * PANEL : NULL);
+        if (!bf16 && r1 - r0 > TILE8_ROWS) {
+            groups16((const float *)(x + r0 * steps), steps, (const float *)panel, b,
+                     yp + r0 * out, out, cols, r1 - r0,
+                     p + 1 < p1 ? (const float *)(panel + steps * PANEL) : NULL);
             continue;
         }
 #endif
@@ -452,14 +499,18 @@ static void linear_block(const struct linear_job *j, int64_t r0, int64_t r1, int
          * instead of being read at the speed of memory. With one or two tiles the weights
          * are read about as fast as they are used, and the hardware streams them. */
         const int64_t tiles = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS;
-        const int64_t lines = in * PANEL / 16;
-        const int64_t every = tiles > 2 ? (in * tiles + lines - 1) / lines : 0;
-        const float *ahead = tiles > 2 && p + 1 < p1 ? panel + in * PANEL : NULL;
+        const int64_t lines = steps * PANEL / 16;
+        const int64_t every = tiles > 2 ? (steps * tiles + lines - 1) / lines : 0;
+        const uint32_t *ahead = tiles > 2 && p + 1 < p1 ? panel + steps * PANEL : NULL;
         int64_t r = r0;
 #define TILE(n)                                                                              \
     do {                                                                                     \
-        tile(x + r * in, in, panel, b, yp + r * out, out, cols, n, ahead, every);            \
-        if (ahead != NULL) ahead += (in / every) * 16;                                       \
+        if (bf16)                                                                            \
+            BF16_TILE(n);                                                                    \
+        else                                                                                 \
+            tile((const float *)(x + r * steps), steps, (const float *)panel, b,             \
+                 yp + r * out, out, cols, n, (const float *)ahead, every);                   \
+        if (ahead != NULL) ahead += (steps / every) * 16;                                    \
         r += n;                                                                              \
     } while (0)
         /* Whole tiles, then 4, 2 and 1 rows: constant row counts keep the sums in registers. */
@@ -470,11 +521,7 @@ static void linear_block(const struct linear_job *j, int64_t r0, int64_t r1, int
 #undef TILE
     }
 }
-
-#if defined(__AVX512BF16__)
-static void linear_block_bf16(const struct linear_job *j, int64_t r0, int64_t r1, int64_t p0,
-                              int64_t p1);
-#endif
+#undef BF16_TILE
 
 /* Task t: row block t / chunks, panels of chunk t % chunks. */
 static void linear_tasks(const void *ctx, int64_t begin, int64_t end) {
@@ -483,13 +530,10 @@ static void linear_tasks(const void *ctx, int64_t begin, int64_t end) {
         const int64_t r0 = t / j->chunks * ROW_BLOCK, p0 = t % j->chunks * j->chunk_panels;
         const int64_t r1 = r0 + ROW_BLOCK < j->m ? r0 + ROW_BLOCK : j->m;
         const int64_t p1 = p0 + j->chunk_panels < j->panels ? p0 + j->chunk_panels : j->panels;
-#if defined(__AVX512BF16__)
-        if (j->bf16) {
-            linear_block_bf16(j, r0, r1, p0, p1);
-            continue;
-        }
-#endif
-        linear_block(j, r0, r1, p0, p1);
+        if (j->bf16)
+            linear_block(j, r0, r1, p0, p1, 1);
+        else
+            linear_block(j, r0, r1, p0, p1, 0);
     }
 }
 
@@ -528,66 +572,6 @@ void packed_linear(const float *x, const float *packed, const float *bias, float
  */
 #if defined(__AVX512BF16__)
 int64_t has_bf16(void) { return 1; }
-
-static inline __attribute__((always_inline)) void tile_bf16(const uint32_t *x, int64_t pairs,
-                                                            const uint32_t *panel,
-                                                            const float *bias, float *y,
-                                                            int64_t out, int64_t cols, int rows,
-                                                            const uint32_t *ahead,
-                                                            int64_t ahead_every) {
-    __m512 acc[TILE_ROWS][2];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    int64_t countdown = ahead_every;
-    for (int64_t i = 0; i < pairs; i++) {
-        if (ahead != NULL && --countdown == 0) {
-            __builtin_prefetch(ahead, 0, 3);
-            ahead += 16;
-            countdown = ahead_every;
-        }
-        const __m512bh w0 = (__m512bh)_mm512_load_si512(panel + i * PANEL);
-        const __m512bh w1 = (__m512bh)_mm512_load_si512(panel + i * PANEL + 16);
-        for (int r = 0; r < rows; r++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)x[r * pairs + i]);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, w0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, w1);
-        }
-    }
-    for (int r = 0; r < rows; r++) {
-        float sums[PANEL];
-        _mm512_storeu_ps(sums, acc[r][0]);
-        _mm512_storeu_ps(sums + 16, acc[r][1]);
-        store_row(sums, bias, y + r * out, cols);
-    }
-}
-
-/* Rows [r0, r1) (one row block) times panels [p0, p1), as linear_block. */
-static void linear_block_bf16(const struct linear_job *j, int64_t r0, int64_t r1, int64_t p0,
-                              int64_t p1) {
-    const int64_t pairs = j->in / 2, out = j->out;
-    const uint32_t *x = j->x;
-    for (int64_t p = p0; p < p1; p++) {
-        const uint32_t *panel = (const uint32_t *)j->packed + p * pairs * PANEL;
-        const int64_t c0 = p * PANEL, cols = out - c0 < PANEL ? out - c0 : PANEL;
-        const float *b = j->bias != NULL ? j->bias + c0 : NULL;
-        float *yp = j->y + c0;
-        const int64_t tiles = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS;
-        const int64_t lines = pairs * PANEL / 16;
-        const int64_t every = tiles > 2 ? (pairs * tiles + lines - 1) / lines : 0;
-        const uint32_t *ahead = tiles > 2 && p + 1 < p1 ? panel + pairs * PANEL : NULL;
-        int64_t r = r0;
-#define TILE(n)                                                                              \
-    do {                                                                                     \
-        tile_bf16(x + r * pairs, pairs, panel, b, yp + r * out, out, cols, n, ahead, every);  \
-        if (ahead != NULL) ahead += (pairs / every) * 16;                                    \
-        r += n;                                                                              \
-    } while (0)
-        while (r + TILE_ROWS <= r1) TILE(TILE_ROWS);
-        if (r + 4 <= r1) TILE(4);
-        if (r + 2 <= r1) TILE(2);
-        if (r < r1) TILE(1);
-#undef TILE
-    }
-}
 
 static pthread_key_t bf16_inputs_key;
 static pthread_once_t bf16_inputs_once = PTHREAD_ONCE_INIT;
