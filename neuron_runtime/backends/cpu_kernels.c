@@ -564,8 +564,9 @@ void packed_linear(const float *x, const float *packed, const float *bias, float
 
 /*
  * The same GEMM in bf16 where the CPU has AVX512_BF16 (cpu_kernels.py, CPUKernels.pack_bf16):
- * x ([m, in] fp32) is rounded to bf16 once per call, by the calling thread, and a panel holds, for each pair of inputs (2i, 2i + 1), PANEL 32-bit
- * lanes, lane j the two bf16 weights of column j (input 2i in the low half). One VDPBF16PS
+ * x ([m, in] fp32) is rounded to bf16 once per call, by the calling thread, and a panel holds,
+ * for each pair of inputs (2i, 2i + 1), PANEL 32-bit lanes, lane j the two bf16 weights of
+ * column j (input 2i in the low half). One VDPBF16PS
  * adds both products of a pair to each of 16 fp32 sums: twice the multiply-adds of an fp32
  * FMA per instruction, on half the weight bytes. The products of two bf16 values are exact in
  * fp32; the sums are fp32, in the same order for a row whatever the batch or thread count.

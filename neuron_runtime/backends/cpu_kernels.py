@@ -39,8 +39,8 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _LINEAR: list[type] = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]  # x, packed, bias, y, m, in, out
 _SIGNATURES = {
     "packed_linear": _LINEAR,
-    "packed_linear_q4_1": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
-    "packed_linear_q8_0": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "packed_linear_q4_1": _LINEAR,
+    "packed_linear_q8_0": _LINEAR,
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_and_mul": [_ptr, _ptr, _i64, _i64],
     "rotary_in_place": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
