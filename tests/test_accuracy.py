@@ -222,6 +222,22 @@ def test_bfloat16_reference_uses_its_own_tolerances(tiny_llama_path):
     assert report.samples[0].summary()["max_abs"] > 1e-4
 
 
+def test_bf16_engine_validates_against_the_float32_reference(default_model_path):
+    """``--engine-dtype bfloat16``: the engine's bf16 linear layers against transformers in
+    fp32 on SmolLM2's weights, held to the bfloat16 tolerances; visibly not the fp32 engine."""
+    from neuron_runtime.backends.cpu_kernels import kernels
+
+    fused = kernels()
+    if fused is None or not fused.has_bf16:
+        pytest.skip("this CPU has no AVX512_BF16")
+    report = validate("smollm2-135m-instruct", prompts=SHORT, engine_dtype="bfloat16")
+    assert report.engine_dtype == "bfloat16" and report.tolerance == TOLERANCES["bfloat16"]
+    assert report.passed, report.table()
+    summary = report.samples[0].summary()
+    assert summary["max_abs"] > TOLERANCES["float32"].atol
+    assert summary["top1_agreement"] == 1.0
+
+
 # KV check ---------------------------------------------------------------------------------------
 
 

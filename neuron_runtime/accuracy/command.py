@@ -7,6 +7,7 @@ import sys
 
 from neuron_runtime.accuracy.metrics import TOLERANCES
 from neuron_runtime.accuracy.validate import load_prompts, validate
+from neuron_runtime.config import DTYPES as ENGINE_DTYPES
 
 
 def add_validate_command(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +22,14 @@ def add_validate_command(sub: argparse._SubParsersAction) -> None:
         "--dtype",
         default="float32",
         choices=sorted(TOLERANCES),
-        help="dtype of the transformers reference; sets the tolerances (the engine runs float32)",
+        help="dtype of the transformers reference; sets the tolerances",
+    )
+    cmd.add_argument(
+        "--engine-dtype",
+        default="float32",
+        choices=list(ENGINE_DTYPES),
+        help="the engine's dtype (bfloat16: linear layers in bf16 on CPUs with AVX512_BF16, "
+        "held to the bfloat16 tolerances)",
     )
     cmd.add_argument(
         "--prompts",
@@ -67,6 +75,7 @@ def run_validate(args: argparse.Namespace) -> int:
         num_threads=args.num_threads,
         debug=not args.no_debug,
         snapshot_dir=args.snapshot_dir,
+        engine_dtype=args.engine_dtype,
     )
     sys.stdout.write(report.table() + "\n")
     report.write_json(args.json)

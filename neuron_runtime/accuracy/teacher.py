@@ -62,6 +62,7 @@ class OurModel:
 
     ``prefill_chunk`` tokens per prefill step; not a multiple of ``block_size`` by default, so
     chunks start mid-block as they do under a token budget shared with other requests.
+    ``dtype`` is the engine's (EngineArgs.dtype: bf16 linear layers where the CPU has them).
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class OurModel:
         num_threads: int | None = None,
         block_size: int = 16,
         prefill_chunk: int = 37,
+        dtype: str = "float32",
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -84,9 +86,10 @@ class OurModel:
             device=device,
             num_threads=num_threads,
             graph_mode="eager",
+            dtype=dtype,
         )
         self.config = args.create_engine_config()
-        backend = get_backend(device, num_threads, "eager")
+        backend = get_backend(device, num_threads, "eager", dtype)
         self.runner = ModelRunner(self.config, backend)
         self.model: Any = self.runner.model
         self.tokenizer = Tokenizer(self.config.model.path)

@@ -147,6 +147,7 @@ class ValidationReport:
     top_k: int
     samples: list[SampleReport] = field(default_factory=list)
     divergence: Divergence | None = None
+    engine_dtype: str = "float32"
 
     @property
     def passed(self) -> bool:
@@ -157,6 +158,7 @@ class ValidationReport:
             "model": self.model,
             "architecture": self.architecture,
             "dtype": self.dtype,
+            "engine_dtype": self.engine_dtype,
             "tolerance": vars(self.tolerance),
             "top_k": self.top_k,
             "passed": self.passed,
@@ -206,7 +208,8 @@ class ValidationReport:
         ]
         t = self.tolerance
         lines.append(
-            f"{self.model} ({self.architecture}), reference {self.dtype}: "
+            f"{self.model} ({self.architecture}), engine {self.engine_dtype}, reference "
+            f"{self.dtype}: "
             f"abs <= {t.atol:g} + {t.rtol:g}*max|logit|, KL <= {t.kl:g}, top-{self.top_k} >= "
             f"{t.topk:g}: {'PASSED' if self.passed else 'FAILED'}"
         )
@@ -217,7 +220,8 @@ class ValidationReport:
 
 class Validator:
     """Our model (the engine's runner) and transformers' reference, loaded once for any number
-    of ``run`` calls. ``dtype`` is the reference's; the engine computes in float32."""
+    of ``run`` calls. ``dtype`` is the reference's; ``engine_dtype`` the engine's (float32, or
+    bfloat16 linear layers: then held to the bfloat16 tolerances, whatever the reference)."""
 
     def __init__(
         self,
@@ -225,19 +229,23 @@ class Validator:
         dtype: str = "float32",
         device: str = "cpu",
         num_threads: int | None = None,
+        engine_dtype: str = "float32",
     ) -> None:
         if dtype not in TOLERANCES:
             raise ValueError(f"dtype must be one of {sorted(TOLERANCES)}, got {dtype!r}")
         self.model_name = model
         self.dtype = dtype
+        self.engine_dtype = engine_dtype
         path = resolve_model(model)
         self.architecture = (load_hf_config(path).get("architectures") or ["?"])[0]
         self.reference = Reference(path, self.architecture, dtype)
         self.ours: OurModel | OurEncoder
         if self.reference.is_encoder:
+            if engine_dtype != "float32":
+                raise ValueError("an encoder runs in float32 only")
             self.ours = OurEncoder(model, device, num_threads)
         else:
-            self.ours = _our_model(model, path, device, num_threads)
+            self.ours = _our_model(model, path, device, num_threads, engine_dtype)
 
     def samples(self, prompts: list[PromptSpec] | None, max_new_tokens: int) -> list[Sample]:
         """The prompts (default: ``default_prompts``) tokenized and continued by the
@@ -268,9 +276,16 @@ class Validator:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
-        tol = tolerance or TOLERANCES[self.dtype]
+        tol = tolerance or TOLERANCES["bfloat16" if self.engine_dtype == "bfloat16" else self.dtype]
         samples = self.samples(prompts, max_new_tokens)
-        report = ValidationReport(self.model_name, self.architecture, self.dtype, tol, top_k)
+        report = ValidationReport(
+            self.model_name,
+            self.architecture,
+            self.dtype,
+            tol,
+            top_k,
+            engine_dtype=self.engine_dtype,
+        )
         for sample in samples:
             report.samples.append(_compare(self.ours, self.reference, sample, tol, top_k))
         failed = [s for s, r in zip(samples, report.samples, strict=True) if not r.passed]
@@ -292,18 +307,21 @@ def validate(
     tolerance: Tolerance | None = None,
     debug: bool = True,
     snapshot_dir: str | Path | None = None,
+    engine_dtype: str = "float32",
 ) -> ValidationReport:
-    """``Validator(model, dtype, device, num_threads).run(...)``: one validation."""
-    validator = Validator(model, dtype, device, num_threads)
+    """``Validator(model, dtype, device, num_threads, engine_dtype).run(...)``: one validation."""
+    validator = Validator(model, dtype, device, num_threads, engine_dtype)
     return validator.run(prompts, max_new_tokens, top_k, tolerance, debug, snapshot_dir)
 
 
-def _our_model(model: str, path: Path, device: str, num_threads: int | None) -> OurModel:
+def _our_model(
+    model: str, path: Path, device: str, num_threads: int | None, dtype: str
+) -> OurModel:
     from neuron_runtime.config import text_config
 
     cfg = load_hf_config(path)
     limit = int(text_config(cfg).get("max_position_embeddings") or 2048)
-    return OurModel(model, min(limit, 4096), device, num_threads)
+    return OurModel(model, min(limit, 4096), device, num_threads, dtype=dtype)
 
 
 def _compare(
