@@ -9,9 +9,12 @@ peak is what the cores' FMA units do with every operand in registers: a loop of 
 ``vfmadd`` on the widest vectors this CPU has (compiled here with ``-march=native``), run on 1
 and 2 threads at once, best of ``--repeats``.
 
+Where the CPU has AVX512_BF16 it also measures the bf16 dot-product peak (a loop of
+independent ``VDPBF16PS``), what ``dtype="bfloat16"`` runs the linear layers on.
+
 Given a peer's output tok/s (``--peer-tok-s``) and a target speed-up over it
-(``--target-ratio``), it prints the GFLOP/s the target needs against that peak: a target above
-the peak is out of reach for any software at this dtype on these cores.
+(``--target-ratio``), it prints the GFLOP/s the target needs against those peaks: a target
+above a peak is out of reach for any software at that dtype on these cores.
 
     python bench/compute_ceiling.py [--model smollm2-135m-instruct] [--requests 32]
         [--input-len 40] [--output-len 64] [--peer-tok-s 300 --target-ratio 2]
@@ -60,18 +63,46 @@ long fma_loop(long iters, float seed) {
 """
 
 
+# The same on bf16 pairs where the CPU has AVX512_BF16: each VDPBF16PS is 16 lanes x 2
+# products x 2 flops, what dtype "bfloat16" runs its linear layers on.
+BF16_LOOP = r"""
+#include <immintrin.h>
+#define EACH(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+long fma_loop(long iters, float seed) {
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f7f3f7f);
+    const __m512bh b = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+#define INIT(k) __m512 s##k = _mm512_set1_ps(seed * k);
+    EACH(INIT)
+    for (long i = 0; i < iters; i++) {
+#define STEP(k) s##k = _mm512_dpbf16_ps(s##k, a, b);
+        EACH(STEP)
+    }
+    __m512 t = _mm512_setzero_ps();
+#define SUM(k) t = _mm512_add_ps(t, s##k);
+    EACH(SUM)
+    return (long)_mm512_reduce_add_ps(t);
+}
+"""
+BF16_FLOPS_PER_LANE = 4  # two products and two adds per 32-bit lane
+
+
+def has_bf16() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return " avx512_bf16" in flags
+
+
 def vector_bytes() -> int:
     """The widest float vector -march=native gives this CPU (64 with AVX-512)."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     return 64 if " avx512f" in flags else 32 if " avx" in flags else 16
 
 
-def build_fma_loop(width: int) -> ctypes.CDLL:
+def build_fma_loop(width: int, source: str = FMA_LOOP) -> ctypes.CDLL:
     """The loop on ``width``-byte vectors, compiled in a directory removed once it is loaded."""
     cc = os.environ.get("CC", "cc")
     with tempfile.TemporaryDirectory(prefix="fma-peak-") as tmp:
         src, lib = Path(tmp) / "fma.c", Path(tmp) / "fma.so"
-        src.write_text(FMA_LOOP.replace("VBYTES", str(width)))
+        src.write_text(source.replace("VBYTES", str(width)))
         subprocess.run(
             [
                 cc,
@@ -93,10 +124,15 @@ def build_fma_loop(width: int) -> ctypes.CDLL:
 
 
 def fma_peak(
-    dll: ctypes.CDLL, width: int, threads: int, repeats: int, iters: int = 20_000_000
+    dll: ctypes.CDLL,
+    width: int,
+    threads: int,
+    repeats: int,
+    iters: int = 20_000_000,
+    flops_per_lane: int = 2,
 ) -> float:
-    """Best fp32 flop/s of ``threads`` threads running the loop at once (ctypes drops the GIL)."""
-    flops_per_call = iters * 12 * (width // 4) * 2
+    """Best flop/s of ``threads`` threads running the loop at once (ctypes drops the GIL)."""
+    flops_per_call = iters * 12 * (width // 4) * flops_per_lane
     best = 0.0
     for _ in range(repeats):
         workers = [
@@ -158,16 +194,26 @@ def main() -> None:
         f"tokens) of {args.model}: {flops['total_flops'] / 1e9:.0f} GFLOP in linear layers, "
         f"{per_token / 1e6:.0f} MFLOP per output token\n"
     )
-    print("| threads | fp32 FMA peak | output tok/s at that peak (ceiling) |")
+    bf16_peak = {}
+    if has_bf16():
+        bf16 = build_fma_loop(64, BF16_LOOP)
+        bf16_peak = {
+            t: fma_peak(bf16, 64, t, args.repeats, flops_per_lane=BF16_FLOPS_PER_LANE)
+            for t in (1, 2)
+        }
+    print("| threads | peak | output tok/s at that peak (ceiling) |")
     print("|---|---|---|")
     for t in (1, 2):
-        print(f"| {t} | {peak[t] / 1e9:.0f} GFLOP/s | {ceiling[t]:.0f} |")
+        print(f"| {t} | fp32 FMA {peak[t] / 1e9:.0f} GFLOP/s | {ceiling[t]:.0f} |")
+    for t, p in bf16_peak.items():
+        print(f"| {t} | bf16 VDPBF16PS {p / 1e9:.0f} GFLOP/s | {p / per_token:.0f} |")
     result = {
         "cpu": cpu_model(),
         "load": [load_before, uptime()],
         "model": args.model,
         "vector_bytes": width,
         "fma_peak_flops": peak,
+        "bf16_peak_flops": bf16_peak,
         **flops,
         "ceiling_tok_s": ceiling,
     }
@@ -181,6 +227,14 @@ def main() -> None:
             + ("within the peak" if needed <= best else "beyond the peak (out of reach)")
         )
         result.update(target_tok_s=target, needed_flops=needed, share_of_peak=needed / best)
+        if bf16_peak:
+            best_bf16 = max(bf16_peak.values())
+            print(
+                f"in bf16 (dtype bfloat16's linear layers): {needed / best_bf16:.2f}x the "
+                "VDPBF16PS peak: "
+                + ("within the peak" if needed <= best_bf16 else "beyond the peak (out of reach)")
+            )
+            result.update(share_of_bf16_peak=needed / best_bf16)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))
 
