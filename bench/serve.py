@@ -73,6 +73,8 @@ import psutil
 import yaml
 from local_cluster import start_local_serve, stop_local_serve
 
+from neuron_runtime.config import DTYPES
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 # --configs names -> (BuildArgs.mode, DisaggregationArgs.kv_transport, the shipped file,
@@ -707,7 +709,7 @@ def main() -> None:
     parser.add_argument(
         "--dtype",
         default="float32",
-        choices=("float32", "bfloat16"),
+        choices=DTYPES,
         help="every engine's (ours: EngineArgs.dtype, the linear layers in bf16; vLLM's --dtype)",
     )
     parser.add_argument(

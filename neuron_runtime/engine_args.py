@@ -7,7 +7,6 @@ from typing import Any
 
 from neuron_runtime.backends.base import default_graph_mode
 from neuron_runtime.config import (
-    DTYPES,
     CacheConfig,
     EngineConfig,
     GraphConfig,
@@ -88,8 +87,9 @@ class EngineArgs:
             hf_config=hf_config,
             max_model_len=self.max_model_len or limit,
             name=self.model,
-            dtype=self._checked_dtype(),
+            dtype=self.dtype,  # its one check of the name; _check_dtype_path below
         )
+        self._check_dtype_path()
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
@@ -133,11 +133,11 @@ class EngineArgs:
             parallel=parallel,
         )
 
-    def _checked_dtype(self) -> str:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+    def _check_dtype_path(self) -> None:
+        """bf16 linear layers exist on the CPU kernels only (whether this CPU has AVX512_BF16
+        is the CPU backend's check, where the engine runs)."""
         if self.dtype == "float32":
-            return self.dtype
+            return
         graph_mode = self.graph_mode or default_graph_mode(self.device)
         if self.device != "cpu" or graph_mode != "eager" or self.quantization == "gguf":
             raise ValueError(
@@ -145,7 +145,6 @@ class EngineArgs:
                 f"'eager', no GGUF quantization), got device {self.device!r}, graph_mode "
                 f"{graph_mode!r}, quantization {self.quantization!r}"
             )
-        return self.dtype
 
     def _with_quantization(self, path: Any, hf_config: dict[str, Any]) -> dict[str, Any]:
         """``hf_config`` with a GGUF ``quantization_config`` when the source file's quantized

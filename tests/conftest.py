@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from neuron_runtime.backends.cpu_kernels import CPUKernels
 
 # Ray reads this when it is imported (test modules import it at collection): it makes every
 # Ray listener bind to 127.0.0.1.
@@ -24,6 +29,20 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1thread", "2threads"])
+def k(request: pytest.FixtureRequest) -> Iterator[CPUKernels]:
+    """The CPU kernels on a pool of 1, then 2 threads: every test that takes it runs on both."""
+    from neuron_runtime.backends.cpu_kernels import kernels
+
+    fused = kernels()
+    # This machine (and CI) has a C compiler: a missing build is a failure, not a skip.
+    assert fused is not None, "the CPU kernels did not build"
+    before = fused.num_threads()
+    fused.set_num_threads(request.param)
+    yield fused
+    fused.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,6 @@ On a CPU without AVX512_BF16 the kernel and engine tests skip; the refusals run 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from test_llama_vs_hf import hf_greedy, hf_model
@@ -23,15 +21,6 @@ FUSED = cpu_kernels.kernels()
 needs_bf16 = pytest.mark.skipif(
     FUSED is None or not FUSED.has_bf16, reason="this CPU has no AVX512_BF16"
 )
-
-
-@pytest.fixture(scope="module", params=[1, 2], ids=["1thread", "2threads"])
-def k(request: pytest.FixtureRequest) -> Iterator[cpu_kernels.CPUKernels]:
-    assert FUSED is not None, "the CPU kernels did not build"
-    before = FUSED.num_threads()
-    FUSED.set_num_threads(request.param)
-    yield FUSED
-    FUSED.set_num_threads(before)
 
 
 def bf16_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -93,13 +82,11 @@ def test_bf16_is_refused_where_it_cannot_run(monkeypatch):
         cpu.CPUBackend(1, dtype="bfloat16")
 
 
-def test_bf16_engines_fingerprint_their_kv_apart(default_model_path):
+def test_bf16_engines_fingerprint_their_kv_apart():
     # KV from a bf16 prefill must not be imported by an fp32 decode engine, nor the reverse.
     config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8}
-    fp32 = ModelConfig(path=str(default_model_path), hf_config=config, max_model_len=8)
-    bf16 = ModelConfig(
-        path=str(default_model_path), hf_config=config, max_model_len=8, dtype="bfloat16"
-    )
+    fp32 = ModelConfig(path="here", hf_config=config, max_model_len=8)
+    bf16 = ModelConfig(path="here", hf_config=config, max_model_len=8, dtype="bfloat16")
     assert model_fingerprint(fp32) != model_fingerprint(bf16)
     assert model_fingerprint(fp32) == model_fingerprint(
         ModelConfig(path="elsewhere", hf_config=dict(config), max_model_len=8)

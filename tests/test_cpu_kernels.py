@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,18 +19,6 @@ from neuron_runtime.layers.rotary import apply_rotary
 
 # Reordered fp32 sums (vectorized dot products): this close to torch, relative to the scale.
 ATOL = 1e-5
-
-
-@pytest.fixture(scope="module", params=[1, 2], ids=["1thread", "2threads"])
-def k(request: pytest.FixtureRequest) -> Iterator[cpu_kernels.CPUKernels]:
-    """The kernels on a pool of 1, then 2 threads: every test runs on both."""
-    fused = cpu_kernels.kernels()
-    # This machine (and CI) has a C compiler: a missing build is a failure, not a skip.
-    assert fused is not None, "the CPU kernels did not build"
-    before = fused.num_threads()
-    fused.set_num_threads(request.param)
-    yield fused
-    fused.set_num_threads(before)
 
 
 # Every tile shape (pairs of rows on a panel, groups of up to 6 on half panels), more than one

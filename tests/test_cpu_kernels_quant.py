@@ -4,8 +4,6 @@ against transformers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -26,16 +24,6 @@ from neuron_runtime.models.registry import model_class
 
 FORMATS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 DEFAULT = "smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="module", params=[1, 2], ids=["1thread", "2threads"])
-def k(request: pytest.FixtureRequest) -> Iterator[cpu_kernels.CPUKernels]:
-    fused = cpu_kernels.kernels()
-    assert fused is not None, "the CPU kernels did not build"
-    before = fused.num_threads()
-    fused.set_num_threads(request.param)
-    yield fused
-    fused.set_num_threads(before)
 
 
 def _quantized(fmt: str, out: int, width: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:

@@ -67,6 +67,6 @@ def get_backend(
         )
     if dtype == "float32":
         return cls(num_threads=num_threads, graph_mode=graph_mode)  # type: ignore[call-arg]
-    if dtype not in getattr(cls, "dtypes", ("float32",)) or graph_mode != "eager":
-        raise ValueError(f"dtype {dtype!r} runs on device 'cpu' in graph_mode 'eager' only")
+    if dtype not in getattr(cls, "dtypes", ("float32",)):
+        raise ValueError(f"device {name!r} runs dtype float32 only, not {dtype!r}")
     return cls(num_threads=num_threads, graph_mode=graph_mode, dtype=dtype)  # type: ignore[call-arg]

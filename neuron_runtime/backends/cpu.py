@@ -43,6 +43,8 @@ class CPUBackend:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         fused = kernels()  # None: no compiler, or turned off
+        if dtype != "float32" and graph_mode != "eager":  # compiled graphs run fp32 ops
+            raise ValueError(f"dtype {dtype!r} runs in graph_mode 'eager' only")
         if dtype == "bfloat16" and (fused is None or not fused.has_bf16):
             raise ValueError(
                 "dtype 'bfloat16' runs on the CPU kernels of a CPU with AVX512_BF16; "

@@ -4,9 +4,9 @@ Linear layers and the logits head run on the packed-panel GEMM over weights repa
 ``attach``: from the GGUF file's Q4_1 / Q8_0 blocks when the model came from one (a GGUF
 ``quantization_config``, engine_args.py; loader.py finds the file), dequantized in registers
 to the very fp32 values of the converted checkpoint, else from the fp32 weights (as bf16
-panels for dtype "bfloat16"). Add+RMSNorm,
-SiLU-and-mul, rotary and the KV write are fused; decodes attend in one kernel call over padded
-block tables. Prefill slices keep the torch path (SDPA).
+panels for dtype "bfloat16"). Add+RMSNorm, SiLU-and-mul, rotary and the KV write are fused;
+decodes attend in one kernel call over padded block tables. Prefill slices keep the torch path
+(SDPA).
 """
 
 from __future__ import annotations
