@@ -6,7 +6,9 @@ thread as the CPU backend keeps it beside the kernels. A thread count written ``
 torch's pool the same count too, to measure what that costs. Settings alternate on every
 repeat (1, 2, 1, 2, ...) so background load on a shared box hits them alike; the script
 reports medians, the ratios to the first setting, and checks that every setting produced the
-same tokens. For each batch size B:
+same tokens. ``--modules`` adds, for every setting, the same engine with its decode steps
+run through the model's modules instead of one ``decode_step`` call (backends/cpu_decode.py).
+For each batch size B:
 
 - TPOT: (time for B requests of N output tokens - time for B requests of 1 token) / (N - 1),
   the time of one decode step of the whole batch
@@ -14,7 +16,7 @@ same tokens. For each batch size B:
 - cores: CPU seconds of this process / wall seconds over the N-token run
 
     python bench/threads.py [--threads 1,2[,2t]] [--batches 1,8,32] [--tokens 64]
-        [--dtypes float32[,bfloat16]]
+        [--dtypes float32[,bfloat16]] [--modules]
         [--repeats 3] [--json bench/results/threads.json]
 """
 
@@ -35,6 +37,7 @@ import torch
 from neuron_runtime import LLM, SamplingParams
 from neuron_runtime.backends.cpu_kernels import kernels
 
+MODULES = "modules"
 PROMPT = "Write a short story about a lighthouse keeper number {i} and the sea."
 
 
@@ -91,12 +94,20 @@ def main() -> None:
         default="float32",
         help="one engine per dtype (EngineArgs.dtype), each run at every thread setting in turn",
     )
+    parser.add_argument(
+        "--modules",
+        action="store_true",
+        help="also run every setting with decode steps through the model's modules "
+        "(no one-call decode_step: backends/cpu_decode.py)",
+    )
     parser.add_argument("--json", default="bench/results/threads.json")
     args = parser.parse_args()
     thread_settings = args.threads.split(",")
     dtypes = args.dtypes.split(",")
     # A setting is "<threads>" for the first dtype, "<threads> <dtype>" for the others.
     settings = [n if d == dtypes[0] else f"{n} {d}" for d in dtypes for n in thread_settings]
+    if args.modules:  # "<setting> modules": the same with the decode steps on the modules
+        settings = [s for n in settings for s in (n, f"{n} {MODULES}")]
     batches = [int(b) for b in args.batches.split(",")]
     if kernels() is None:
         raise SystemExit("the CPU kernels are off or did not build: nothing to scale")
@@ -113,6 +124,7 @@ def main() -> None:
         )
         for d in dtypes
     }
+    fused = {d: llm.engine.runner.fused_decode for d, llm in llms.items()}
     encode = llms[dtypes[0]].get_tokenizer().encode
     prompts = {b: [encode(PROMPT.format(i=i)) for i in range(b)] for b in batches}
     for llm in llms.values():
@@ -124,9 +136,11 @@ def main() -> None:
     identical = True
     for _ in range(args.repeats):
         for n in settings:
-            threads, _, dtype = n.partition(" ")
+            threads, _, dtype = n.removesuffix(f" {MODULES}").partition(" ")
             set_threads(threads)
             llm = llms[dtype or dtypes[0]]
+            runner = llm.engine.runner
+            runner.fused_decode = None if n.endswith(MODULES) else fused[dtype or dtypes[0]]
             for b in batches:
                 one, _, _ = run(llm, prompts[b], 1)
                 wall, cpu, tokens = run(llm, prompts[b], args.tokens)
@@ -154,7 +168,7 @@ def main() -> None:
     print(
         f"model={args.model} tokens={args.tokens} repeats={args.repeats} "
         f"medians, ratios to threads={base} (Nt: torch's pool at N threads too, else 1); "
-        f"dtype {dtypes[0]} unless named"
+        f"dtype {dtypes[0]} unless named; '{MODULES}': decode steps through the modules"
     )
     width = max(7, *(len(n) for n in settings))
     print(

@@ -113,6 +113,15 @@ def _cache_readers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
     return [(m, index) for m, index in found.items() if m in inner]
 
 
+def _hooked(modules: list[torch.nn.Module]) -> bool:
+    """Whether any of ``modules`` has a forward hook, or torch a global one."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
 class ModelRunner:
     """Owns the model weights, the KV cache tensors and the per-request random generators."""
 
@@ -159,6 +168,13 @@ class ModelRunner:
         if config.graph.static:
             self.static = StaticRunner(config, self.model, self.kv_caches, self.num_blocks, backend)
             self.static.warm_up()
+        # Steps of decode rows only in one backend call, where the backend has one for this
+        # model (``Ops.decode_step``); built again when the weights it points at change.
+        self.fused_decode = (
+            None if self.static else self.ops.decode_step(self.model, self.kv_caches)
+        )
+        self._modules = list(self.model.modules())
+        self._kv_reads_landing = False  # ``kv_arriving``: its per-layer hooks must run
 
     def release(self, req_id: str) -> None:
         """Forgets a finished request's random state."""
@@ -238,9 +254,11 @@ class ModelRunner:
             )
             for module, index in _cache_readers(self.model)
         ]
+        self._kv_reads_landing = True
         try:
             yield missed
         finally:
+            self._kv_reads_landing = False
             for hook in hooks:
                 hook.remove()
 
@@ -312,6 +330,16 @@ class ModelRunner:
     def forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The model over the step's tokens: hidden states [T, hidden] and the logits of the
         sampling slices' last tokens [len(sample_seqs), vocab]."""
+        if self._runs_fused(step):
+            assert self.fused_decode is not None
+            decodes = step.decodes
+            return self.fused_decode(
+                step.input_ids,
+                step.positions,
+                step.slots,
+                decodes.block_tables,
+                decodes.context_lens,
+            )
         ids = torch.tensor(step.input_ids, device=self.device)
         embeds = None
         if step.image_rows:
@@ -326,6 +354,22 @@ class ModelRunner:
         if not step.sample_rows:  # a step of prefill chunks only
             return hidden, hidden.new_empty(0, self.config.model.vocab_size)
         return hidden, self.model.compute_logits(hidden[step.sample_rows])
+
+    def _runs_fused(self, step: StepInputs) -> bool:
+        """Whether ``fused_decode`` takes the step: decode rows that all sample, and nothing
+        that needs the modules to run (images, prompt logprobs, speculative decoding, KV
+        reads landing layer by layer, a forward hook)."""
+        if self.fused_decode is None or self.spec is not None or self._kv_reads_landing:
+            return False
+        if step.prefills or step.image_rows or step.prompt_rows or step.verify:
+            return False
+        if len(step.sample_rows) != len(step.input_ids) or not step.input_ids:
+            return False
+        if _hooked(self._modules):
+            return False
+        if not self.fused_decode.current(self.kv_caches):
+            self.fused_decode = self.ops.decode_step(self.model, self.kv_caches)
+        return self.fused_decode is not None
 
     def _forward_and_sample_static(
         self, step: StepInputs

@@ -640,7 +640,8 @@ int64_t packed_linear_bf16(const float *x, const uint32_t *packed, const float *
 #define QBLOCK 32
 #define Q4_1_RECORD 768
 #define Q8_0_RECORD 1152
-enum { FORMAT_F32 = 0, FORMAT_Q4_1 = 1, FORMAT_Q8_0 = 2 };
+/* A weight's format; decode_step's linear layers name theirs by it (bf16: packed_linear_bf16). */
+enum { FORMAT_F32 = 0, FORMAT_Q4_1 = 1, FORMAT_Q8_0 = 2, FORMAT_BF16 = 3 };
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
@@ -1381,4 +1382,103 @@ static void argmax_tasks(const void *ctx, int64_t begin, int64_t end) {
 void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
     const struct argmax_job job = {x, cols, out};
     parallel_for(argmax_tasks, &job, rows, row_grain(rows, cols));
+}
+
+/*
+ * A Llama-family decode step in one call: every row is one sequence's next token.
+ *
+ * It calls the kernels above in the order the model's modules call them (models/llama.py,
+ * backends/cpu_ops.py), on the same inputs, so each row's hidden state and logits are the
+ * same bits as the module path's; what it saves is the Python between them (about 400 kernel
+ * calls a step for a 30-layer model), and in a served replica the GIL: the whole step runs
+ * without it, so the replica's event loop never holds up a kernel call's return.
+ *
+ * The residual stream stays in `residual`: the module path adds a layer's output into it
+ * (x += residual, then residual = x), this adds it the other way (residual += x), which is
+ * the same float sum. Buffers are the model's workspace for at least `rows` rows
+ * (backends/cpu_decode.py sizes them).
+ */
+struct step_linear {
+    const void *packed;
+    const float *bias; /* or NULL */
+    int64_t in, out, format;
+};
+
+struct step_layer {
+    const float *input_norm, *post_norm;
+    struct step_linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* [kv_heads, num_blocks, block_size, d] */
+    int64_t window;           /* 0: every key */
+    double softcap;           /* 0: none */
+};
+
+struct step_model {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
+    int64_t num_blocks, block_size, rope_positions;
+    double eps, scale;
+    const float *embed;              /* [vocab, hidden] */
+    const float *rope_cos, *rope_sin; /* [rope_positions, head_dim / 2] */
+    const float *final_norm;
+    struct step_linear head;
+    const struct step_layer *layers;
+    /* workspace, [capacity, width] each */
+    float *residual, *normed, *qkv, *attn, *mlp, *act, *out, *cos, *sin;
+};
+
+static int64_t step_linear(const struct step_linear *l, const float *x, float *y, int64_t rows) {
+    switch (l->format) {
+    case FORMAT_F32:
+        packed_linear(x, l->packed, l->bias, y, rows, l->in, l->out);
+        return 0;
+    case FORMAT_BF16:
+        return packed_linear_bf16(x, l->packed, l->bias, y, rows, l->in, l->out);
+    case FORMAT_Q4_1:
+        packed_linear_q4_1(x, l->packed, l->bias, y, rows, l->in, l->out);
+        return 0;
+    case FORMAT_Q8_0:
+        packed_linear_q8_0(x, l->packed, l->bias, y, rows, l->in, l->out);
+        return 0;
+    }
+    return -2;
+}
+
+/*
+ * ids, positions, slots, lens: [rows]; tables: [rows, table_width] block ids. Writes the
+ * final norm's output to hidden [rows, hidden] and the logits to logits [rows, head.out].
+ * Returns 0, -1 when a bf16 layer found no memory, -2 for an unknown weight format, -3 for a
+ * position past the rotary table.
+ */
+int64_t decode_step(const struct step_model *m, int64_t rows, const int64_t *ids,
+                    const int64_t *positions, const int64_t *slots, const int64_t *tables,
+                    int64_t table_width, const int64_t *lens, float *hidden, float *logits) {
+    const int64_t h = m->hidden, d = m->head_dim, half = m->head_dim / 2;
+    const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * d;
+    for (int64_t r = 0; r < rows; r++) {
+        if (positions[r] < 0 || positions[r] >= m->rope_positions) return -3;
+        memcpy(m->residual + r * h, m->embed + ids[r] * h, sizeof(float) * (size_t)h);
+        memcpy(m->cos + r * half, m->rope_cos + positions[r] * half, sizeof(float) * (size_t)half);
+        memcpy(m->sin + r * half, m->rope_sin + positions[r] * half, sizeof(float) * (size_t)half);
+    }
+    const float eps = (float)m->eps;
+    int64_t status = 0;
+    for (int64_t i = 0; i < m->num_layers && status == 0; i++) {
+        const struct step_layer *l = &m->layers[i];
+        add_rms_norm(m->residual, i ? m->out : NULL, l->input_norm, m->normed, rows, h, eps);
+        if ((status = step_linear(&l->qkv, m->normed, m->qkv, rows))) break;
+        rotary_in_place(m->qkv, m->cos, m->sin, rows, m->heads + m->kv_heads, qkv_width, d);
+        const float *k = m->qkv + m->heads * d, *v = k + m->kv_heads * d;
+        write_kv(k, qkv_width, v, qkv_width, l->k_cache, l->v_cache, slots, rows, m->kv_heads, d,
+                 m->num_blocks * m->block_size);
+        paged_decode_attention(m->qkv, qkv_width, l->k_cache, l->v_cache, tables, lens, m->attn,
+                               rows, m->heads, m->kv_heads, d, m->num_blocks, m->block_size,
+                               table_width, (float)m->scale, l->window, (float)l->softcap);
+        if ((status = step_linear(&l->o, m->attn, m->out, rows))) break;
+        add_rms_norm(m->residual, m->out, l->post_norm, m->normed, rows, h, eps);
+        if ((status = step_linear(&l->gate_up, m->normed, m->mlp, rows))) break;
+        silu_and_mul(m->mlp, m->act, rows, m->inter);
+        status = step_linear(&l->down, m->act, m->out, rows);
+    }
+    if (status) return status;
+    add_rms_norm(m->residual, m->num_layers ? m->out : NULL, m->final_norm, hidden, rows, h, eps);
+    return step_linear(&m->head, hidden, logits, rows);
 }

@@ -131,6 +131,9 @@ class CPUKernels:
             fn.argtypes, fn.restype = [], _i64
         lib.packed_linear_bf16.argtypes = _LINEAR
         lib.packed_linear_bf16.restype = _i64
+        # model, rows, ids, positions, slots, tables, table width, lens, hidden, logits
+        lib.decode_step.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr]
+        lib.decode_step.restype = _i64
         self._lib = lib
         # Whether this CPU runs bf16 dot products natively (AVX512_BF16) and the library was
         # built with them: pack_bf16's panels need it.
@@ -368,6 +371,11 @@ class CPUKernels:
             softcap or 0.0,
         )
         return out
+
+    def decode_step(self, model: int, rows: int, *pointers: int) -> int:
+        """``decode_step`` of cpu_kernels.c on a model struct at address ``model`` (built by
+        backends/cpu_decode.py, which owns its layout); its status, 0 for done."""
+        return int(self._lib.decode_step(model, rows, *pointers))
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``x.argmax(dim=-1)`` of a ``[rows, cols]`` tensor of finite values; ``[rows]`` long."""

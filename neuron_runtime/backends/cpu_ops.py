@@ -33,6 +33,7 @@ from neuron_runtime.layers.attention import (
 )
 
 if TYPE_CHECKING:
+    from neuron_runtime.backends.cpu_decode import DecodeStep
     from neuron_runtime.gguf_convert import QuantizedTensor
     from neuron_runtime.layers.linear import Linear
     from neuron_runtime.layers.logits import LogitsHead
@@ -167,12 +168,27 @@ class CPUKernelOps(Ops):
         return self.kernels.linear(rows, packed, layer.bias, out).view(*x.shape[:-1], out)
 
     def logits(self, head: LogitsHead, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        panels = self.head_panels(head, weight)
+        return self.kernels.linear(hidden.contiguous(), panels, None, weight.shape[0])
+
+    def head_panels(self, head: LogitsHead, weight: torch.Tensor) -> torch.Tensor | QuantizedPanels:
+        """The head's packed ``weight``: its GGUF blocks while it is still the weight they
+        were made of, else panels packed on first use (kept in ``head.packed``)."""
         quantized = getattr(head, "quantized", None)
-        if quantized is not None and quantized[0] is weight:  # still the weight it was made of
-            return self.kernels.linear(hidden.contiguous(), quantized[1], None, weight.shape[0])
+        if quantized is not None and quantized[0] is weight:
+            return quantized[1]
         if head.packed.numel() == 0:
             head.packed = self._pack_weight(weight)
-        return self.kernels.linear(hidden.contiguous(), head.packed, None, weight.shape[0])
+        return head.packed
+
+    def decode_step(
+        self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> DecodeStep | None:
+        """A Llama-family model's decode steps in one kernel call each (backends/cpu_decode.py),
+        or None for other models."""
+        from neuron_runtime.backends import cpu_decode
+
+        return cpu_decode.build(self, model, kv_caches)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -18,7 +18,7 @@ Every op returns the same values as ``Ops``, up to floating-point summation orde
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,26 @@ GEMV_MAX_ROWS = 4
 VOCAB_SLAB = 1024
 
 
+class FusedDecode(Protocol):
+    """A model's decode step as one call (``Ops.decode_step``)."""
+
+    def __call__(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_tables: list[list[int]],
+        context_lens: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode rows, one per sequence: the final hidden states [rows, hidden] and the
+        logits [rows, vocab]."""
+        ...
+
+    def current(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether the weights and caches it was built on are still the model's."""
+        ...
+
+
 class Ops:
     """Eager torch ops: the reference implementation of the backend op set."""
 
@@ -57,6 +77,13 @@ class Ops:
         for module in model.modules():
             if "ops" in dir(type(module)):
                 setattr(module, "ops", self)  # noqa: B010 (a plain attribute, not a Module)
+
+    def decode_step(
+        self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> FusedDecode | None:
+        """A whole decode step of ``model`` as one call, where the backend has one for it
+        (``CPUKernelOps``: backends/cpu_decode.py); None: the model's modules run it."""
+        return None
 
     # Dense layers -----------------------------------------------------------------------
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
