@@ -113,13 +113,16 @@ def _cache_readers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
     return [(m, index) for m, index in found.items() if m in inner]
 
 
-def _hooked(modules: list[torch.nn.Module]) -> bool:
-    """Whether any of ``modules`` has a forward hook, or torch a global one."""
+def _hook_registries(model: torch.nn.Module) -> list[dict]:
+    """The dicts a forward hook on ``model`` (or a global one) is registered in: a hook is
+    there while any of them is not empty. Registering adds to them in place."""
     from torch.nn.modules import module as torch_module
 
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    found: list[dict] = [torch_module._global_forward_hooks]
+    found.append(torch_module._global_forward_pre_hooks)
+    for m in model.modules():
+        found += [m._forward_hooks, m._forward_pre_hooks]
+    return found
 
 
 class ModelRunner:
@@ -173,7 +176,7 @@ class ModelRunner:
         self.fused_decode = (
             None if self.static else self.ops.decode_step(self.model, self.kv_caches)
         )
-        self._modules = list(self.model.modules())
+        self._hook_registries = _hook_registries(self.model)
         self._kv_reads_landing = False  # ``kv_arriving``: its per-layer hooks must run
 
     def release(self, req_id: str) -> None:
@@ -365,7 +368,7 @@ class ModelRunner:
             return False
         if len(step.sample_rows) != len(step.input_ids) or not step.input_ids:
             return False
-        if _hooked(self._modules):
+        if any(self._hook_registries):  # a forward hook must see the modules run
             return False
         if not self.fused_decode.current(self.kv_caches):
             self.fused_decode = self.ops.decode_step(self.model, self.kv_caches)

@@ -155,3 +155,20 @@ def test_a_repacked_weight_rebuilds_the_step(tiny_llm):
     both = generate_both_ways(tiny_llm, max_tokens=6)
     assert runner.fused_decode is not old and runner.fused_decode.current(runner.kv_caches)
     assert both.compared == 5 and not both.mismatches
+
+
+def test_rows_out_of_range_are_refused_before_any_kernel_runs(tiny_llm):
+    """A token id past the embedding or a position past the rotary table raises (the
+    modules' path raises on both too), before anything is written to the KV cache."""
+    runner = tiny_llm.engine.runner
+    step = runner.fused_decode
+    vocab, positions = runner.model.model.embed_tokens.weight.shape[0], 1024
+    caches = [c.clone() for pair in runner.kv_caches for c in pair]
+    with pytest.raises(ValueError, match="token id past the embedding"):
+        step([1, vocab], [0, 0], [0, 1], [[0], [0]], [1, 1])
+    with pytest.raises(ValueError, match="position past the rotary table"):
+        step([1], [positions], [0], [[0]], [1])
+    with pytest.raises(ValueError, match="token id past the embedding"):
+        step([-1], [0], [0], [[0]], [1])
+    after = [c for pair in runner.kv_caches for c in pair]
+    assert all(torch.equal(a, b) for a, b in zip(caches, after, strict=True))

@@ -65,6 +65,7 @@ _WORKSPACE = ("residual", "normed", "qkv", "attn", "mlp", "act", "out", "cos", "
 
 _SIZES = (
     "num_layers",
+    "vocab",
     "hidden",
     "heads",
     "kv_heads",
@@ -90,6 +91,7 @@ _STEP_ERRORS = {
     -1: "no memory to round a layer's input to bf16",
     -2: "a linear layer in an unknown weight format",
     -3: "a position past the rotary table",
+    -4: "a token id past the embedding",
 }
 
 
@@ -156,13 +158,13 @@ class DecodeStep:
             raise ValueError("layers with different norm eps or attention scales")
         kv_heads, num_blocks, block_size, head_dim = kv_caches[0][0].shape
         self._kernels = kernels
-        self._kv_caches = kv_caches
+        self._kv_caches = list(kv_caches)
         self._hidden = inner.embed_tokens.weight.shape[1]
         self._vocab = model.lm_head_weight.shape[0]
         self._inter = layers[0].mlp.intermediate_size_per_rank
         # What the structs point at, and where it came from: a step first checks that each
         # attribute still holds the tensor it had (weights reloaded or repacked since: rebuild).
-        self._sources: list[tuple[object, str, object]] = []
+        self._sources: list[tuple[dict[str, Any], str, object]] = []
         self._layers = (_Layer * len(layers))()
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
@@ -182,6 +184,7 @@ class DecodeStep:
         rotary = inner.rotary
         self._struct = _Model(
             num_layers=len(layers),
+            vocab=inner.embed_tokens.weight.shape[0],
             hidden=self._hidden,
             heads=first.num_heads,
             kv_heads=kv_heads,
@@ -202,10 +205,10 @@ class DecodeStep:
         self._head = head
         logits_head = model.logits_head
         if isinstance(head, QuantizedPanels):  # good while it is still the weight's (cpu_ops.py)
-            self._sources.append((logits_head, "quantized", logits_head.quantized))
-            self._sources.append((model, "lm_head_weight", model.lm_head_weight))
+            self._watch(logits_head, "quantized")
+            self._watch(inner.embed_tokens if model.lm_head is None else model.lm_head, "weight")
         else:
-            self._sources.append((logits_head, "packed", head))
+            self._watch(logits_head, "packed")
         self._widths = {
             "residual": self._hidden,
             "normed": self._hidden,
@@ -222,8 +225,10 @@ class DecodeStep:
 
     def current(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether every weight and cache it points at is still the model's."""
-        return kv_caches is self._kv_caches and all(
-            getattr(owner, name) is value for owner, name, value in self._sources
+        return (
+            len(kv_caches) == len(self._kv_caches)
+            and all(a is b for a, b in zip(kv_caches, self._kv_caches, strict=True))
+            and all(where.get(name) is value for where, name, value in self._sources)
         )
 
     def __call__(
@@ -272,19 +277,29 @@ class DecodeStep:
             setattr(self._struct, name, buffer.data_ptr())
         self._capacity = capacity
 
+    def _watch(self, owner: object, name: str) -> None:
+        """Remembers the object ``owner.name`` holds now, by the dict it is kept in (a
+        module's parameters, buffers or plain attributes: a dict lookup per step, not
+        ``nn.Module.__getattr__``); an attribute that only has its class default is watched
+        in the instance's own attributes, where setting it puts it."""
+        value = getattr(owner, name)
+        places = [getattr(owner, "_parameters", {}), getattr(owner, "_buffers", {}), vars(owner)]
+        where = next((d for d in places if name in d), vars(owner))
+        self._sources.append((where, name, value if name in where else None))
+
     def _tensor(self, owner: object, name: str) -> int:
         value = getattr(owner, name)
         assert isinstance(value, torch.Tensor) and value.is_contiguous()
         assert value.dtype == torch.float32 and value.device.type == "cpu"
-        self._sources.append((owner, name, value))
+        self._watch(owner, name)
         return value.data_ptr()
 
     def _linear(self, layer: Linear) -> _Linear:
         weights = layer.quantized if layer.quantized is not None else layer.packed
         if weights is None:
             raise ValueError("a linear layer the CPU kernels did not pack")
-        self._sources.append((layer, "quantized", layer.quantized))
-        self._sources.append((layer, "packed", layer.packed))
+        self._watch(layer, "quantized")
+        self._watch(layer, "packed")
         if layer.bias is not None:
             self._tensor(layer, "bias")
         return _panels(weights, layer.in_features, layer.out_features, layer.bias)

@@ -1413,10 +1413,10 @@ struct step_layer {
 };
 
 struct step_model {
-    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter;
+    int64_t num_layers, vocab, hidden, heads, kv_heads, head_dim, inter;
     int64_t num_blocks, block_size, rope_positions;
     double eps, scale;
-    const float *embed;              /* [vocab, hidden] */
+    const float *embed;               /* [vocab, hidden] */
     const float *rope_cos, *rope_sin; /* [rope_positions, head_dim / 2] */
     const float *final_norm;
     struct step_linear head;
@@ -1446,7 +1446,8 @@ static int64_t step_linear(const struct step_linear *l, const float *x, float *y
  * ids, positions, slots, lens: [rows]; tables: [rows, table_width] block ids. Writes the
  * final norm's output to hidden [rows, hidden] and the logits to logits [rows, head.out].
  * Returns 0, -1 when a bf16 layer found no memory, -2 for an unknown weight format, -3 for a
- * position past the rotary table.
+ * position past the rotary table, -4 for a token id past the embedding (nothing computed for
+ * the last two).
  */
 int64_t decode_step(const struct step_model *m, int64_t rows, const int64_t *ids,
                     const int64_t *positions, const int64_t *slots, const int64_t *tables,
@@ -1455,6 +1456,9 @@ int64_t decode_step(const struct step_model *m, int64_t rows, const int64_t *ids
     const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * d;
     for (int64_t r = 0; r < rows; r++) {
         if (positions[r] < 0 || positions[r] >= m->rope_positions) return -3;
+        if (ids[r] < 0 || ids[r] >= m->vocab) return -4;
+    }
+    for (int64_t r = 0; r < rows; r++) {
         memcpy(m->residual + r * h, m->embed + ids[r] * h, sizeof(float) * (size_t)h);
         memcpy(m->cos + r * half, m->rope_cos + positions[r] * half, sizeof(float) * (size_t)half);
         memcpy(m->sin + r * half, m->rope_sin + positions[r] * half, sizeof(float) * (size_t)half);
