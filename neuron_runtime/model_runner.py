@@ -177,7 +177,6 @@ class ModelRunner:
             None if self.static else self.ops.decode_step(self.model, self.kv_caches)
         )
         self._hook_registries = _hook_registries(self.model)
-        self._kv_reads_landing = False  # ``kv_arriving``: its per-layer hooks must run
 
     def release(self, req_id: str) -> None:
         """Forgets a finished request's random state."""
@@ -257,11 +256,9 @@ class ModelRunner:
             )
             for module, index in _cache_readers(self.model)
         ]
-        self._kv_reads_landing = True
         try:
             yield missed
         finally:
-            self._kv_reads_landing = False
             for hook in hooks:
                 hook.remove()
 
@@ -360,9 +357,9 @@ class ModelRunner:
 
     def _runs_fused(self, step: StepInputs) -> bool:
         """Whether ``fused_decode`` takes the step: decode rows that all sample, and nothing
-        that needs the modules to run (images, prompt logprobs, speculative decoding, KV
-        reads landing layer by layer, a forward hook)."""
-        if self.fused_decode is None or self.spec is not None or self._kv_reads_landing:
+        that needs the modules to run (images, prompt logprobs, speculative decoding, a
+        forward hook: ``kv_arriving``'s too, which waits for each layer's KV)."""
+        if self.fused_decode is None or self.spec is not None:
             return False
         if step.prefills or step.image_rows or step.prompt_rows or step.verify:
             return False

@@ -144,6 +144,15 @@ def test_steps_that_need_the_modules_run_them(tiny_llm):
     assert tiny_llm.engine.stats().num_running == 0
 
 
+def test_steps_while_kv_reads_land_run_the_modules(tiny_llm):
+    """While layer-wise KV reads land (a decode replica's NIXL handoff), each attention layer
+    first waits for its own layer's blocks: a hook the one call would skip."""
+    with tiny_llm.engine.runner.kv_arriving([]):
+        both = generate_both_ways(tiny_llm, max_tokens=4)
+    assert both.compared == 0 and both.module_steps == 4
+    assert generate_both_ways(tiny_llm, max_tokens=4).compared == 3
+
+
 def test_a_repacked_weight_rebuilds_the_step(tiny_llm):
     """A layer whose panels are replaced (weights reloaded, repacked) is not read through
     the old pointers: the next step builds the structs again, on the new panels."""
