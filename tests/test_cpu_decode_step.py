@@ -125,6 +125,23 @@ def tiny_llm(tiny_llama_path) -> LLM:
     return LLM(model=str(tiny_llama_path), max_model_len=128, block_size=4)
 
 
+def test_a_model_whose_layers_differ_in_eps_or_scale_runs_its_modules(tiny_llm):
+    """The structs hold one norm eps and one attention scale for the whole model."""
+    model = tiny_llm.engine.runner.model
+    assert runs_llama_path(model)
+    for module, name in (
+        (model.model.layers[1].input_layernorm, "eps"),
+        (model.model.layers[0].self_attn, "scale"),
+    ):
+        before = getattr(module, name)
+        setattr(module, name, before * 2)
+        try:
+            assert not runs_llama_path(model)
+        finally:
+            setattr(module, name, before)
+    assert runs_llama_path(model)
+
+
 def test_steps_that_need_the_modules_run_them(tiny_llm):
     """A forward hook sees every step; prompt logprobs and prefills run the modules; once
     the hook is gone the decode steps take the one call again."""

@@ -120,7 +120,12 @@ def runs_llama_path(model: nn.Module) -> bool:
     if inner.embed_tokens.tp.size != 1:  # tensor parallel: the layers all-reduce
         return False
     head = getattr(model, "logits_head", None)
-    if type(head) is not ParallelLogitsHead or head.tp.size != 1:
+    if type(head) is not ParallelLogitsHead or head.tp.size != 1 or not len(inner.layers):
+        return False
+    # One eps and one attention scale for the whole model, as the structs hold them.
+    norms = [inner.norm]
+    norms += [n for x in inner.layers for n in (x.input_layernorm, x.post_attention_layernorm)]
+    if len({n.eps for n in norms}) != 1 or len({x.self_attn.scale for x in inner.layers}) != 1:
         return False
     for layer in inner.layers:
         if not same(layer, LlamaDecoderLayer, "forward"):
@@ -147,15 +152,9 @@ class DecodeStep:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         head: torch.Tensor | QuantizedPanels,
     ) -> None:
-        inner: Any = model.model
+        inner: Any = model.model  # runs_llama_path(model): one eps and one scale
         layers = list(inner.layers)
         first = layers[0].self_attn
-        norms = [inner.norm] + [
-            n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
-        ]
-        scales = {layer.self_attn.scale for layer in layers}
-        if len({n.eps for n in norms}) != 1 or len(scales) != 1:
-            raise ValueError("layers with different norm eps or attention scales")
         kv_heads, num_blocks, block_size, head_dim = kv_caches[0][0].shape
         self._kernels = kernels
         self._kv_caches = list(kv_caches)
@@ -296,8 +295,7 @@ class DecodeStep:
 
     def _linear(self, layer: Linear) -> _Linear:
         weights = layer.quantized if layer.quantized is not None else layer.packed
-        if weights is None:
-            raise ValueError("a linear layer the CPU kernels did not pack")
+        assert weights is not None, "CPUKernelOps.attach packs every Linear"
         self._watch(layer, "quantized")
         self._watch(layer, "packed")
         if layer.bias is not None:
