@@ -79,22 +79,14 @@ bench-peers: model vllm-env
 # the HTTP proxy to 127.0.0.1:8000. app.config_check first checks the file against the models
 # and stops with one line on a setting they cannot take (`serve run` of a config file would
 # report the failed build in its log and keep waiting).
-# They run in Serve's HAProxy mode (README "HAProxy in place of Serve's HTTP proxy"): HAProxy
-# holds the HTTP port and each ingress replica serves its HTTP itself, so a streamed token does
-# not cross a Ray call to Serve's Python proxy; SERVE_HAPROXY=0 keeps that proxy. A stopping
-# ingress replica waits SERVE_DRAIN_S for load balancers to drop it (Serve's default is 30 s).
-SERVE_HAPROXY ?= 1
-SERVE_DRAIN_S ?= 2
-SERVE_ENV := RAY_SERVE_ENABLE_HA_PROXY=$(SERVE_HAPROXY) \
-	RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=$(SERVE_DRAIN_S)
 serve: model
 	$(PY) -m app.config_check serve_config.yaml
-	$(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml
+	$(VENV)/bin/serve run serve_config.yaml
 
 # The colocated baseline: one LLMServer deployment instead of router, prefill and decode.
 serve-colocated: model
 	$(PY) -m app.config_check configs/serve/colocated.yaml
-	$(SERVE_ENV) $(VENV)/bin/serve run configs/serve/colocated.yaml
+	$(VENV)/bin/serve run configs/serve/colocated.yaml
 
 # Image chats: encode -> prefill -> decode on the tiny random-weight LLaVA.
 serve-epd: model

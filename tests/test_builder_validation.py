@@ -253,13 +253,13 @@ def test_make_serve_targets_check_the_file_they_run():
             recipes[target] = []
         elif line.startswith("\t") and target:
             recipes[target].append(line.strip())
-    files = {  # target -> (its file, the variables before `serve run`)
-        "serve": ("serve_config.yaml", "$(SERVE_ENV) "),
-        "serve-colocated": ("configs/serve/colocated.yaml", "$(SERVE_ENV) "),
-        "serve-epd": ("configs/serve/epd.yaml", ""),
+    files = {
+        "serve": "serve_config.yaml",
+        "serve-colocated": "configs/serve/colocated.yaml",
+        "serve-epd": "configs/serve/epd.yaml",
     }
-    for name, (file, env) in files.items():
+    for name, file in files.items():
         assert recipes[name] == [
             f"$(PY) -m app.config_check {file}",
-            f"{env}$(VENV)/bin/serve run {file}",
+            f"$(VENV)/bin/serve run {file}",
         ]

@@ -1,18 +1,17 @@
-"""Serve's HAProxy mode, as `make serve` and `make serve-colocated` run the apps.
+"""Serve's HAProxy mode: `RAY_SERVE_ENABLE_HA_PROXY=1 make serve-colocated` as the README gives it.
 
 HAProxy takes the HTTP port in place of Serve's Python proxy and passes each request to an
 ingress replica's own HTTP server, so a streamed token goes from the ingress to the client
-without a Ray message to the proxy. For each target this reads the variables the Makefile puts
-before `serve run` (`make -n`), starts `serve run <its config>` with them in a cluster of its
-own (a subprocess, beside the test session's cluster), changing only the HTTP port, and checks
-through the openai client that the streamed tokens are the offline engine's, that a bad
-request gets its 400, and that HAProxy, not Serve's proxy, holds the port.
+without a Ray message to the proxy. This starts `serve run configs/serve/colocated.yaml` in a
+cluster of its own (a subprocess, beside the test session's cluster), changing only the HTTP
+port and the ingress's drain period on shutdown, and checks through the openai client that
+the streamed tokens are the offline engine's, that a bad request gets its 400, and that
+HAProxy, not Serve's proxy, holds the port.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from conftest import _free_port
 from neuron_runtime import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = {"serve": "serve_config.yaml", "serve-colocated": "configs/serve/colocated.yaml"}
+CONFIG = ROOT / "configs" / "serve" / "colocated.yaml"
 PROMPT = "The lighthouse keeper looked at the sea and"
 
 
@@ -45,34 +44,22 @@ def _stop(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
             proc.wait(30)
 
 
-def recipe_env(target: str, config: str) -> dict[str, str]:
-    """The variables the Makefile's ``target`` sets on its `serve run <config>` line."""
-    dry = subprocess.run(
-        ["make", "-n", "-s", target], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
-    [line] = [x for x in dry.splitlines() if x.rstrip().endswith(f"serve run {config}")]
-    words = shlex.split(line)
-    assignments = words[: next(i for i, w in enumerate(words) if "=" not in w)]
-    return dict(w.split("=", 1) for w in assignments)
-
-
-@pytest.fixture(scope="module", params=sorted(TARGETS))
-def haproxy_app(request, tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
-    target, config_path = request.param, TARGETS[request.param]
-    made = recipe_env(target, config_path)
-    assert made.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", made  # the Makefile's default
+@pytest.fixture(scope="module")
+def haproxy_app(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
     port = _free_port()
-    config = yaml.safe_load((ROOT / config_path).read_text())
+    config = yaml.safe_load(CONFIG.read_text())
     config["http_options"]["port"] = port
-    path = tmp_path_factory.mktemp("haproxy") / Path(config_path).name
+    path = tmp_path_factory.mktemp("haproxy") / "colocated.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {
         **os.environ,
-        # What the Makefile exports to every recipe, then what it puts before `serve run`.
+        # What the Makefile exports for `make serve-colocated`, plus the mode itself.
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_worker_niceness": "0",
         "OMP_NUM_THREADS": "1",
-        **made,
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        # Serve keeps a stopping ingress replica 30 s for load balancers to drop it.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     }
     env.pop("RAY_ADDRESS", None)
     log = path.with_suffix(".log").open("w")

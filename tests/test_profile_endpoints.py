@@ -22,15 +22,17 @@ import numpy as np
 import pytest
 
 from app.profiling import DEFAULT_PROFILER_DIR, PROFILER_DIR_VARIABLE, ProfilerConfig
+from neuron_runtime.backends.cpu_decode import PROFILE_LABEL
 
 API_KEY = "profile-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def trace_ops(path: str) -> set[str]:
-    """The names of the op events in a Chrome trace file."""
+    """The names of the op events in a Chrome trace file, and of the ranges code labels
+    (``torch.profiler.record_function``)."""
     events = json.loads(Path(path).read_text())["traceEvents"]
-    return {e["name"] for e in events if e.get("cat") == "cpu_op"}
+    return {e["name"] for e in events if e.get("cat") in ("cpu_op", "user_annotation")}
 
 
 def top_op(summary: str) -> str:
@@ -168,9 +170,10 @@ def test_profile_every_engine_replica_over_http(profiled_pd):
     for replica in replicas:
         (path,) = replica["files"]
         assert Path(path).parent == out / f"{replica['deployment']}-{replica['replica_id']}"
-        # The engine's forward passes ran on its loop thread, and they are in the trace.
+        # The engine's forward passes ran on its loop thread, and they are in the trace: the
+        # modules' torch ops, or a decode step's one kernel call (backends/cpu_decode.py).
         ops = trace_ops(path)
-        assert {"aten::embedding", "aten::linear"} & ops, replica["deployment"]
+        assert {"aten::embedding", "aten::linear", PROFILE_LABEL} & ops, replica["deployment"]
         assert top_op(replica["summary"]) in ops
     response = post(f"{base}/stop_profile")
     assert response.status_code == 400, response.text
