@@ -164,7 +164,7 @@ class DecodeStep:
         self._kv_caches = list(kv_caches)
         self._hidden = inner.embed_tokens.weight.shape[1]
         self._vocab = model.lm_head_weight.shape[0]
-        self._inter = layers[0].mlp.intermediate_size_per_rank
+        inter = layers[0].mlp.intermediate_size_per_rank
         # What the structs point at, and where it came from: a step first checks that each
         # attribute still holds the tensor it had (weights reloaded or repacked since: rebuild).
         self._sources: list[tuple[dict[str, Any], str, object]] = []
@@ -192,7 +192,7 @@ class DecodeStep:
             heads=first.num_heads,
             kv_heads=kv_heads,
             head_dim=head_dim,
-            inter=self._inter,
+            inter=inter,
             num_blocks=num_blocks,
             block_size=block_size,
             rope_positions=rotary.cos.shape[0],
@@ -205,7 +205,6 @@ class DecodeStep:
             head=_panels(head, self._hidden, self._vocab, None),
             layers=ctypes.addressof(self._layers),
         )
-        self._head = head
         logits_head = model.logits_head
         if isinstance(head, QuantizedPanels):  # good while it is still the weight's (cpu_ops.py)
             self._watch(logits_head, "quantized")
@@ -217,8 +216,8 @@ class DecodeStep:
             "normed": self._hidden,
             "qkv": (first.num_heads + 2 * kv_heads) * head_dim,
             "attn": first.num_heads * head_dim,
-            "mlp": 2 * self._inter,
-            "act": self._inter,
+            "mlp": 2 * inter,
+            "act": inter,
             "out": self._hidden,
             "cos": head_dim // 2,
             "sin": head_dim // 2,
