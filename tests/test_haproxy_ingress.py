@@ -103,15 +103,37 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _port_holders(port: int, timeout_s: float = 60.0) -> list[tuple[object, str, set[int]]]:
+    """Each socket listening on `port`, with its process's name and the ids of its parents.
+
+    Serve reloads HAProxy when the ingress replicas change: the new process takes the port and
+    the old one finishes its connections and exits, so for a moment a listener's process may
+    be gone. Read again until every listener on the port has a live process to read.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        holders = [c for c in _listeners() if c.laddr.port == port]
+        try:
+            read = []
+            for c in holders:
+                process = psutil.Process(c.pid)
+                read.append((c, process.name(), {p.pid for p in process.parents()}))
+            if read:
+                return read
+        except psutil.NoSuchProcess:
+            pass
+        assert time.monotonic() < deadline, f"no live process holds port {port}: {holders}"
+        time.sleep(0.5)
+
+
 def test_haproxy_holds_the_port_and_streams_the_engines_tokens(haproxy_app) -> None:
     base, proc = haproxy_app
     port = int(base.rsplit(":", 1)[1])
+    for holder, name, parents in _port_holders(port):
+        assert name == "haproxy" and holder.laddr.ip == "127.0.0.1", holder
+        # HAProxy belongs to this app's cluster, started under `serve run`.
+        assert proc.pid in parents
     listeners = _listeners()
-    [holder] = [c for c in listeners if c.laddr.port == port]
-    haproxy = psutil.Process(holder.pid)
-    assert haproxy.name() == "haproxy" and holder.laddr.ip == "127.0.0.1", holder
-    # HAProxy belongs to this app's cluster, started under `serve run`.
-    assert proc.pid in {p.pid for p in haproxy.parents()}
     # The ingress replica's own HTTP server (Serve's direct-ingress port range), on 127.0.0.1.
     ingress = [
         c
