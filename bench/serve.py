@@ -67,7 +67,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -75,7 +75,7 @@ from urllib.parse import urlparse
 import psutil
 import yaml
 from local_cluster import start_local_serve, stop_local_serve
-from throughput import VLLM_STAMP, VLLM_VENV, VLLMPeer, Workload
+from throughput import VLLM_STAMP, VLLM_VENV, Run, VLLMPeer, Workload
 
 from neuron_runtime.config import DTYPES
 
@@ -781,12 +781,13 @@ def main() -> None:
     )
     for c in concurrencies:
         print_table(rows, c)
-    for row in rows.values():
-        if row["app"] == VLLM_OFFLINE:
-            print(
-                f"\nvLLM offline (vllm.LLM, max_num_seqs {row['concurrency']}): "
-                f"{row['output_token_throughput']:.2f} output tok/s, {row['cores']:.2f} cores"
-            )
+    peer_offline = rows.get(f"{VLLM_OFFLINE}@c{max(concurrencies)}")
+    if peer_offline:
+        print(
+            f"\nvLLM offline (vllm.LLM, max_num_seqs {peer_offline['concurrency']}): "
+            f"{peer_offline['output_token_throughput']:.2f} output tok/s, "
+            f"{peer_offline['cores']:.2f} cores"
+        )
     for name, row in rows.items():
         for transport, h in row.get("handoff", {}).items():
             print(
@@ -1031,7 +1032,7 @@ def serve_rounds(
         run = offline_round(args, prompts, concurrencies, round_no, acc)
         asyncio.run(asyncio.wait_for(run, args.max_duration_s))
 
-    peer_offline: list[dict] = []
+    peer_offline: list[Run] = []
 
     def vllm_offline(round_no: int) -> None:
         peer_offline.append(vllm_offline_round(args, prompts, max(concurrencies), round_no))
@@ -1052,25 +1053,24 @@ def serve_rounds(
     rows = acc.rows(slo, concurrencies)
     if peer_offline:
         high = max(concurrencies)
-        tokens = sum(run["output_tokens"] for run in peer_offline)
-        elapsed = sum(run["elapsed_s"] for run in peer_offline)
+        elapsed = sum(run.elapsed_s for run in peer_offline)
         rows[f"{VLLM_OFFLINE}@c{high}"] = {
             "app": VLLM_OFFLINE,
             "concurrency": high,
-            "output_token_throughput": tokens / elapsed,
-            "cores": sum(run["cpu_s"] for run in peer_offline) / elapsed,
-            "runs": peer_offline,
+            "output_token_throughput": sum(run.output_tokens for run in peer_offline) / elapsed,
+            "cores": sum(run.cpu_s for run in peer_offline) / elapsed,
+            "runs": [asdict(run) for run in peer_offline],
         }
     return rows
 
 
 def vllm_offline_round(
     args: argparse.Namespace, prompts: PromptSets, concurrency: int, round_no: int
-) -> dict:
+) -> Run:
     """vLLM's offline engine on the round's load at ``concurrency``: ``vllm.LLM`` in the peer
     venv (bench/vllm_peer.py) with the served vLLM's dtype, threads, KV cache and model length,
     its batch limit the concurrency, every request added at once (so at most ``concurrency``
-    run together, as the load client keeps the servers), warmed up first. Only throughput and
+    run together, as the load client keeps the servers), warmed up first. Its finish times and
     CPU come back, not per-token times."""
     from neuron_runtime.model_store import resolve_model
 
@@ -1095,7 +1095,7 @@ def vllm_offline_round(
     expected = args.output_len * len(load)
     if run.output_tokens != expected:
         raise RuntimeError(f"vLLM offline: {run.output_tokens} output tokens of {expected}")
-    return {"elapsed_s": run.elapsed_s, "output_tokens": run.output_tokens, "cpu_s": run.cpu_s}
+    return run
 
 
 async def offline_round(
