@@ -76,22 +76,25 @@ bench-peers: model vllm-env
 # The whole application on a local Ray cluster that `serve run` starts and stops itself.
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (exported above) makes Ray bind GCS, raylet, workers and
 # the dashboard (ray.init defaults it to the local IP) to 127.0.0.1; serve_config.yaml binds
-# the HTTP proxy to 127.0.0.1:8000. app.config_check first checks the file against the models
+# the HTTP port to 127.0.0.1:8000. app.config_check first checks the file against the models
 # and stops with one line on a setting they cannot take (`serve run` of a config file would
 # report the failed build in its log and keep waiting).
-serve: model
-	$(PY) -m app.config_check serve_config.yaml
-	$(VENV)/bin/serve run serve_config.yaml
-
-# The colocated baseline: one LLMServer deployment instead of router, prefill and decode.
-serve-colocated: model
-	$(PY) -m app.config_check configs/serve/colocated.yaml
-	$(VENV)/bin/serve run configs/serve/colocated.yaml
-
-# Image chats: encode -> prefill -> decode on the tiny random-weight LLaVA.
-serve-epd: model
-	$(PY) -m app.config_check configs/serve/epd.yaml
-	$(VENV)/bin/serve run configs/serve/epd.yaml
+# HTTP goes through Serve's HAProxy mode: HAProxy holds the port and passes each request to an
+# ingress replica's own HTTP server, so streamed tokens skip the Python proxy actor (README,
+# "HAProxy in front"). neuron-serve-haproxy binds HAProxy's stats and Prometheus listeners
+# to the HTTP address too (app/haproxy_bind.py); a stopping ingress replica drains 2 s, not
+# Serve's 30, since the HAProxy in front of it is local. SERVE_HAPROXY=0: Serve's proxy.
+# SERVE_CONFIG=FILE serves another config file the same way.
+SERVE_HAPROXY ?= 1
+SERVE_CONFIG ?= serve_config.yaml
+serve-colocated: SERVE_CONFIG = configs/serve/colocated.yaml
+serve-epd: SERVE_CONFIG = configs/serve/epd.yaml
+serve serve-colocated serve-epd: model
+	$(PY) -m app.config_check $(SERVE_CONFIG)
+	RAY_SERVE_ENABLE_HA_PROXY=$(SERVE_HAPROXY) \
+	RAY_SERVE_HAPROXY_BINARY_PATH=$(CURDIR)/$(VENV)/bin/neuron-serve-haproxy \
+	RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2 \
+		$(VENV)/bin/serve run $(SERVE_CONFIG)
 
 # Load against a running `make serve` (127.0.0.1:8000) and the engine in-process, side by side.
 bench-serve: model

