@@ -244,18 +244,33 @@ def test_the_make_serve_check_fails_fast_with_one_line(tmp_path):
     ]
 
 
+def make_dry_run(*args: str) -> list[str]:
+    """The commands `make -n` prints (it runs nothing), continued lines joined."""
+    out = subprocess.run(
+        ["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    return out.replace("\\\n", " ").splitlines()
+
+
 def test_make_serve_targets_check_the_file_they_run():
-    """`make -n` (print, run nothing): each serve target checks the file it then serves."""
     files = {
         "serve": "serve_config.yaml",
         "serve-colocated": "configs/serve/colocated.yaml",
         "serve-epd": "configs/serve/epd.yaml",
     }
     for target, file in files.items():
-        out = subprocess.run(
-            ["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout
-        commands = out.replace("\\\n", " ").splitlines()
+        commands = make_dry_run(target)
         check = next(i for i, c in enumerate(commands) if "-m app.config_check" in c)
         assert commands[check].split()[-1] == file
         assert commands[check + 1].split()[-3:] == [".venv/bin/serve", "run", file]
+        assert "RAY_SERVE_ENABLE_HA_PROXY=1" in commands[check + 1].split()
+
+
+def test_make_serve_takes_serve_haproxy_0_and_another_config_file():
+    """What the README offers: Serve's Python proxy instead of HAProxy, and any config file."""
+    commands = make_dry_run("serve", "SERVE_HAPROXY=0", "SERVE_CONFIG=configs/serve/epd.yaml")
+    check = next(i for i, c in enumerate(commands) if "-m app.config_check" in c)
+    assert commands[check].split()[-1] == "configs/serve/epd.yaml"
+    serve = commands[check + 1].split()
+    assert "RAY_SERVE_ENABLE_HA_PROXY=0" in serve
+    assert serve[-3:] == [".venv/bin/serve", "run", "configs/serve/epd.yaml"]
