@@ -10,14 +10,19 @@ process id, same arguments but the config file), so Serve's reloads (``-sf <pid>
 before. A frontend on every interface (``0.0.0.0``, as in a Kubernetes pod) leaves the config
 as it is.
 
-The rewritten config is written beside Serve's, as ``<config>.bound``.
+The rewritten config is written beside Serve's, as ``<config>.bound``. HAProxy also gets a
+parent-death signal: it ends with the process that started it. Serve reloads HAProxy by
+starting a new one when ingress replicas go, which is also what happens while a cluster is
+stopped; a reload caught there outlived the cluster, holding the HTTP port.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
+import signal
 import sys
 
 # A listener with no address, or with `*`: `bind :9101`, `bind *:8404`.
@@ -82,9 +87,27 @@ def rewrite_args(args: list[str]) -> list[str]:
     return out
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_parent() -> None:
+    """SIGTERM (HAProxy's hard stop) to this process, and the HAProxy it becomes, when the
+    process that started it ends. Linux only; execve keeps the setting."""
+    parent = os.getppid()
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:  # it ended before the signal was armed
+        raise SystemExit("neuron-serve-haproxy: the process that started it has ended")
+
+
 def main() -> None:
     binary = real_haproxy()
-    os.execv(binary, [binary, *rewrite_args(sys.argv[1:])])
+    args = rewrite_args(sys.argv[1:])
+    end_with_parent()
+    os.execv(binary, [binary, *args])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ engine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -83,6 +84,7 @@ def haproxy_app(request, tmp_path_factory) -> Iterator[tuple[str, subprocess.Pop
     finally:
         _stop(proc)
         log.close()
+    _assert_port_released(port)
 
 
 def _listeners() -> list:
@@ -103,6 +105,35 @@ def _started_by(pid: int, ancestor: int) -> bool:
         return ancestor in {p.pid for p in psutil.Process(pid).parents()}
     except psutil.Error:
         return False
+
+
+def _haproxy_listeners_on_loopback(ancestor: int, timeout_s: float = 60.0) -> None:
+    """Every listener of the HAProxy processes under `ancestor` is on 127.0.0.1, read until
+    its three ports (HTTP, stats, exporter) are seen: a reload hands them from one process to
+    the next, which may be gone or not yet listening at the moment of a read."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ours = [
+            c for c in _listeners() if _name(c.pid) == "haproxy" and _started_by(c.pid, ancestor)
+        ]
+        assert all(c.laddr.ip == "127.0.0.1" for c in ours), ours
+        if len({c.laddr.port for c in ours}) >= 3:
+            return
+        assert time.monotonic() < deadline, f"HAProxy's listeners under {ancestor}: {ours}"
+        time.sleep(0.5)
+
+
+def _assert_port_released(port: int, timeout_s: float = 30.0) -> None:
+    """Nothing the app started holds its port once `make serve` has ended: an HAProxy started
+    by a reload while the cluster stopped used to. A holder left is killed, then reported."""
+    deadline = time.monotonic() + timeout_s
+    while holders := [c for c in _listeners() if c.laddr.port == port]:
+        if time.monotonic() > deadline:
+            for c in holders:
+                with contextlib.suppress(psutil.Error):
+                    psutil.Process(c.pid).kill()
+            raise AssertionError(f"port {port} still held after make serve ended: {holders}")
+        time.sleep(0.5)
 
 
 def _cmdline(pid: int) -> str:
@@ -142,11 +173,9 @@ def test_haproxy_holds_the_port_and_streams_the_engines_tokens(haproxy_app) -> N
         assert name == "haproxy" and holder.laddr.ip == "127.0.0.1", holder
         # HAProxy belongs to this app's cluster, started under `make serve`.
         assert proc.pid in parents
-    listeners = _listeners()
     # Its stats page and Prometheus exporter too: Ray's config binds them on every interface.
-    ours = [c for c in listeners if _started_by(c.pid, proc.pid) and _name(c.pid) == "haproxy"]
-    assert len({c.laddr.port for c in ours}) >= 3, ours
-    assert all(c.laddr.ip == "127.0.0.1" for c in ours), ours
+    _haproxy_listeners_on_loopback(proc.pid)
+    listeners = _listeners()
     # The ingress replica's own HTTP server (Serve's direct-ingress port range), on 127.0.0.1.
     ingress = [
         c
