@@ -93,9 +93,9 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def end_with_parent() -> None:
     """SIGTERM (HAProxy's hard stop) to this process, and the HAProxy it becomes, when the
     process that started it ends. Linux only; execve keeps the setting."""
-    parent = os.getppid()
     if sys.platform != "linux":
         return
+    parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
