@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from local_cluster import start_local_serve, stop_local_serve  # noqa: E402
-from serve import handoff_figures, http_request, summarize  # noqa: E402
+from serve import handoff_figures, http_request, load_session, summarize  # noqa: E402
+from serve import metrics_text as serve_metrics_text  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 # The second token's paths: nixl-whole is a NIXL read the request waits for whole before its
@@ -364,7 +365,6 @@ def print_component(length: int, transport: str, row: dict) -> None:
 
 
 def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
-    import httpx
     from ray import serve
 
     from app.builder import BuildArgs, DisaggregationArgs, build_openai_app
@@ -402,7 +402,7 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
     rows: dict = {}
 
     async def load() -> None:
-        async with httpx.AsyncClient(timeout=600) as client:
+        async with load_session() as client:
             for length in lengths:
                 results: dict[str, list] = {name: [] for name in apps}
                 prompts = [random_prompt(rng, length) for _ in range(args.requests)]
@@ -453,9 +453,9 @@ def end_to_end(args: argparse.Namespace, lengths: list[int], port: int) -> dict:
     return rows
 
 
-async def metrics_text(client, url: str) -> str:  # noqa: ANN001 - httpx client
+async def metrics_text(client, url: str) -> str:  # noqa: ANN001 - serve.load_session()
     """The /metrics text of the app whose completions URL is ``url``."""
-    return (await client.get(url.replace("/v1/completions", "/metrics"))).text
+    return await serve_metrics_text(client, url.replace("/v1/completions", "/metrics"))
 
 
 def print_e2e(length: int, name: str, s: dict) -> None:
