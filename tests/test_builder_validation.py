@@ -266,6 +266,17 @@ def test_make_serve_targets_check_the_file_they_run():
         assert "RAY_SERVE_ENABLE_HA_PROXY=1" in commands[check + 1].split()
 
 
+def test_make_serve_sets_what_the_benchmarks_set():
+    """bench/serve.py's `-haproxy` apps run as `make serve` does: with serve_env's variables,
+    every one of them on the `serve run` line, the wrapper's path where this checkout keeps it."""
+    from app.haproxy_bind import serve_env
+
+    commands = make_dry_run("serve")
+    serve = next(c for c in commands if "/serve run " in c).split()
+    expected = serve_env(str(ROOT / ".venv" / "bin"))
+    assert {f"{name}={value}" for name, value in expected.items()} <= set(serve)
+
+
 def test_make_serve_takes_serve_haproxy_0_and_another_config_file():
     """What the README offers: Serve's Python proxy instead of HAProxy, and any config file."""
     commands = make_dry_run("serve", "SERVE_HAPROXY=0", "SERVE_CONFIG=configs/serve/epd.yaml")
