@@ -76,6 +76,8 @@ logger = logging.getLogger("ray.serve")
 
 # How long an engine replica's last stats snapshot is kept without a newer one.
 STATS_TTL_S = 300.0
+# How long ``stats`` waits for the engine replicas' own snapshots (the ingress gives it 2 s).
+STATS_TIMEOUT_S = 1.0
 
 # A replica that died or became unreachable mid-call; the request may be retried elsewhere.
 REPLICA_LOST = (ActorDiedError, ActorUnavailableError)
@@ -422,9 +424,25 @@ class PDRouter:
             if now - seen["seen_at"] > STATS_TTL_S:
                 del self.replica_stats[replica_id]
 
-    def stats(self) -> list[dict[str, Any]]:
-        """The latest load snapshot of every engine replica this router has heard from, and
-        this router's own (KV tickets it holds for requests being decoded)."""
+    async def stats(self) -> list[dict[str, Any]]:
+        """The load snapshot of every prefill and decode replica, taken now (one call to each,
+        at once), and this router's own (KV tickets it holds for requests being decoded).
+
+        Steps carry snapshots only when a request ends, so one seen on a stream is stale once
+        requests were aborted or went over another router; a replica that does not answer
+        within STATS_TIMEOUT_S keeps the last one seen (for STATS_TTL_S)."""
+        calls = [
+            handle.broadcast("stats").results_async(
+                timeout_s=STATS_TIMEOUT_S, return_exceptions=True
+            )
+            for handle in (self.prefill, self.decode_unary)
+        ]
+        for answers in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(answers, BaseException):  # none answered in time
+                continue
+            for answer in answers:
+                if isinstance(answer, dict):
+                    self._note(answer)
         own = {
             "replica_id": f"router:{self.replica_id}",
             "num_kv_refs_held": self.num_kv_refs_held,

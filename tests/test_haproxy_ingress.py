@@ -221,12 +221,10 @@ def _running(base: str) -> float:
 def test_a_client_leaving_mid_stream_frees_the_engine(haproxy_app) -> None:
     """HAProxy closes the ingress's connection; the ingress aborts the engine's request.
 
-    The colocated app's /metrics reads the LLMServer's live stats; the PD router's shows the
-    last snapshot a step brought, which does not say when the decode replica let go.
+    /metrics reads the engine replicas' stats live: the LLMServer's, or (PD) every prefill
+    and decode replica's through the router, so it shows when the decode replica let go.
     """
-    base, _, name = haproxy_app
-    if name != "colocated":
-        pytest.skip("the PD app's /metrics does not read the decode replica's stats live")
+    base, _, _ = haproxy_app
     body = {
         "model": MODEL,
         "prompt": PROMPT,
