@@ -83,10 +83,9 @@ bench-peers: model vllm-env
 # ingress replica's own HTTP server, so streamed tokens skip the Python proxy actor (README,
 # "HAProxy in front"). neuron-serve-haproxy binds HAProxy's stats and Prometheus listeners
 # to the HTTP address too (app/haproxy_bind.py); a stopping ingress replica drains 2 s, not
-# Serve's 30, since the HAProxy in front of it is local, and Serve's controller runs its loop
-# every 0.5 s, not 0.1 (it takes CPU from the engine on a small host). These are
-# app.haproxy_bind.serve_env, which the benchmarks use (tests check the two agree).
-# SERVE_HAPROXY=0: Serve's proxy. SERVE_CONFIG=FILE serves another config file the same way.
+# Serve's 30, since the HAProxy in front of it is local. These are app.haproxy_bind.serve_env,
+# which the benchmarks use (tests check the two agree). SERVE_HAPROXY=0: Serve's proxy.
+# SERVE_CONFIG=FILE serves another config file the same way.
 SERVE_HAPROXY ?= 1
 SERVE_CONFIG ?= serve_config.yaml
 serve-colocated: SERVE_CONFIG = configs/serve/colocated.yaml
@@ -96,7 +95,6 @@ serve serve-colocated serve-epd: model
 	RAY_SERVE_ENABLE_HA_PROXY=$(SERVE_HAPROXY) \
 	RAY_SERVE_HAPROXY_BINARY_PATH=$(CURDIR)/$(VENV)/bin/neuron-serve-haproxy \
 	RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2 \
-	RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 \
 		$(VENV)/bin/serve run $(SERVE_CONFIG)
 
 # Load against a running `make serve` (127.0.0.1:8000) and the engine in-process, side by side.

@@ -31,23 +31,13 @@ _FRONTEND_BIND = re.compile(r"^frontend http_frontend\s*\n\s*bind\s+(\S+):\d+", 
 _EVERY_INTERFACE = {"", "*", "0.0.0.0", "::", "[::]"}
 
 
-# Serve's controller runs its control loop every 0.1 s by default; an idle one then takes
-# about 4% of a core (and GCS about 2% more answering it), which a 2-vCPU host's engine
-# replica pays under load too. Every 0.5 s it takes under half that. Replica state changes,
-# autoscaling decisions and handle updates are seen up to 0.4 s later; Serve's autoscaling
-# delays are counted in loop ticks of this interval, so they keep their length in seconds.
-CONTROL_LOOP_INTERVAL_S = "0.5"
-
-
 def serve_env(venv_bin: str) -> dict[str, str]:
-    """What `make serve` sets where Ray starts: HAProxy mode through this program, a 2 s drain
-    for a stopping ingress replica (Serve's 30 s is for load balancers farther away), and a
-    control loop every CONTROL_LOOP_INTERVAL_S."""
+    """What `make serve` sets where Ray starts: HAProxy mode through this program, and a 2 s
+    drain for a stopping ingress replica (Serve's 30 s is for load balancers farther away)."""
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_HAPROXY_BINARY_PATH": os.path.join(venv_bin, "neuron-serve-haproxy"),
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
-        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": CONTROL_LOOP_INTERVAL_S,
     }
 
 

@@ -426,7 +426,7 @@ class PDRouter:
 
     async def stats(self) -> list[dict[str, Any]]:
         """The load snapshot of every prefill and decode replica, taken now (one call to each,
-        at once), and this router's own (KV tickets it holds for requests being decoded).
+        at once), and this router's own (``own_stats``).
 
         Steps carry snapshots only when a request ends, so one seen on a stream is stale once
         requests were aborted or went over another router; a replica that does not answer
@@ -443,7 +443,11 @@ class PDRouter:
             for answer in answers:
                 if isinstance(answer, dict):
                     self._note(answer)
-        own = {
+        return [*self.replica_stats.values(), self.own_stats()]
+
+    def own_stats(self) -> dict[str, Any]:
+        """This router's counters: KV tickets held, migrations, handoffs, local prefills."""
+        return {
             "replica_id": f"router:{self.replica_id}",
             "num_kv_refs_held": self.num_kv_refs_held,
             "num_migrations": self.num_migrations,
@@ -451,7 +455,6 @@ class PDRouter:
             "num_local_prefills": self.num_local_prefills,
             "num_prefilling": self.num_prefilling,
         }
-        return [*self.replica_stats.values(), own]
 
     async def check_health(self) -> None:
         """Healthy when a prefill and a decode replica (and an encoder) answer their probe."""

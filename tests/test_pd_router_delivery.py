@@ -231,7 +231,7 @@ def test_the_client_gets_each_token_once_whichever_way_the_handoff_went(
         assert [call.cancelled for _, call in decode.calls] == [True] * (len(calls) - 1) + [False]
         waiting = [r.kv_destination is not None for r in prefill.requests]
         assert waiting == [decode_first] * len(outcomes)
-        own = pd.stats()[-1]
+        own = pd.own_stats()
         assert own["num_handoffs_delivered"] == delivered
         assert own["num_kv_refs_held"] == 0
         assert not pd.decode_steps.queues and not pd.decode_steps.owners
@@ -261,7 +261,7 @@ def test_a_prompt_up_to_the_local_limit_is_prefilled_by_its_decode_replica(local
             assert call.resume_token_ids == [] and call.sampling == sampling
         else:
             assert call.await_handoff and call.sampling["prompt_logprobs"] is None
-        own = pd.stats()[-1]
+        own = pd.own_stats()
         assert own["num_local_prefills"] == local
         assert own["num_kv_refs_held"] == 0
 
@@ -288,7 +288,7 @@ def test_a_long_prompt_that_finds_the_prefill_queue_full_is_prefilled_at_decode(
         first = asyncio.create_task(run(pd, "a"))
         while not prefill.requests:
             await asyncio.sleep(0.001)
-        assert pd.stats()[-1]["num_prefilling"] == 1
+        assert pd.own_stats()["num_prefilling"] == 1
         assert await asyncio.wait_for(run(pd, "b"), 10) == [FIRST, *REST]
         prefill.hold.set()
         assert await asyncio.wait_for(first, 10) == [FIRST, *REST]
@@ -296,7 +296,7 @@ def test_a_long_prompt_that_finds_the_prefill_queue_full_is_prefilled_at_decode(
         assert [r.request_id for r in prefill.requests] == ["a", "c"]
         local = [r for r, _ in decode.calls if r.request_id == "b"]
         assert len(local) == 1 and local[0].handoff is None and not local[0].await_handoff
-        own = pd.stats()[-1]
+        own = pd.own_stats()
         assert own["num_local_prefills"] == 1 and own["num_prefilling"] == 0
         assert own["num_kv_refs_held"] == 0
 
@@ -325,7 +325,7 @@ def test_a_request_that_ends_on_its_first_token_closes_the_waiting_call() -> Non
         assert await asyncio.wait_for(tokens_of(pd), 10) == [FIRST]
         ((request, call),) = decode.calls
         assert request.await_handoff and call.cancelled
-        assert pd.stats()[-1]["num_handoffs_delivered"] == 0
+        assert pd.own_stats()["num_handoffs_delivered"] == 0
         assert not pd.decode_steps.queues
 
     asyncio.run(main())
@@ -374,7 +374,7 @@ def test_the_first_token_waits_for_the_kv_no_longer_than_the_bound(
         pd = router(Prefill(decode, ["deliver"]), decode)
         assert await asyncio.wait_for(tokens_of(pd, decode.events), 10) == [FIRST, *REST]
         assert decode.events == ["first token", "kv arrived"]
-        assert not pd.decode_steps.queues and pd.stats()[-1]["num_kv_refs_held"] == 0
+        assert not pd.decode_steps.queues and pd.own_stats()["num_kv_refs_held"] == 0
 
     asyncio.run(main())
 
@@ -395,7 +395,7 @@ def test_a_delivery_that_never_came_resumes_the_request_on_a_decode_replica(
         assert waited.await_handoff and first_call.cancelled
         assert not resumed.await_handoff and resumed.handoff is None
         assert resumed.resume_token_ids == [FIRST] and not second_call.cancelled
-        own = pd.stats()[-1]
+        own = pd.own_stats()
         assert own["num_migrations"] == 1 and own["num_kv_refs_held"] == 0
         assert not pd.decode_steps.queues and not pd.decode_steps.owners
 
@@ -416,7 +416,7 @@ def test_a_decode_call_that_said_kv_received_is_waited_for(
         assert await asyncio.wait_for(tokens_of(pd), 10) == [FIRST, *REST]
         ((_, call),) = decode.calls
         assert not call.cancelled
-        assert pd.stats()[-1]["num_migrations"] == 0
+        assert pd.own_stats()["num_migrations"] == 0
 
     asyncio.run(main())
 
