@@ -218,6 +218,16 @@ def _running(base: str) -> float:
     )
 
 
+def _wait_running(base: str, expected: int, failure: str, timeout_s: float = 30.0) -> None:
+    """Asks /metrics until it shows `expected` running requests. A scrape whose stats call to
+    the engine replicas times out (2 s; the first call through a new handle waits for Serve's
+    controller) serves the last numbers seen, so one stale answer is not the answer."""
+    deadline = time.monotonic() + timeout_s
+    while _running(base) != expected:
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.5)
+
+
 def test_a_client_leaving_mid_stream_frees_the_engine(haproxy_app) -> None:
     """HAProxy closes the ingress's connection; the ingress aborts the engine's request.
 
@@ -242,14 +252,5 @@ def test_a_client_leaving_mid_stream_frees_the_engine(haproxy_app) -> None:
             events += line.startswith("data: ")
             if events == 8:
                 break
-        # The request is in the engine's batch. A scrape whose stats call to the engine
-        # replicas times out (2 s; the first call through a new handle waits for Serve's
-        # controller) serves the last numbers seen: ask again until the live ones come.
-        deadline = time.monotonic() + 30
-        while _running(base) != 1:
-            assert time.monotonic() < deadline, "/metrics never showed the running request"
-            time.sleep(0.5)
-    deadline = time.monotonic() + 30
-    while _running(base) != 0:
-        assert time.monotonic() < deadline, "the engine still runs the abandoned request"
-        time.sleep(0.5)
+        _wait_running(base, 1, "/metrics never showed the running request")
+    _wait_running(base, 0, "the engine still runs the abandoned request")
