@@ -78,6 +78,7 @@ class _EngineStatsCollector:
             ("vllm:prefix_cache_hits", "Prompt tokens found cached", "prefix_cache_hits"),
             ("neuron:kv_exports", "Requests handed off by prefill replicas", "num_kv_exports"),
             ("neuron:kv_imports", "Requests continued by decode replicas", "num_kv_imports"),
+            ("neuron:requests_aborted", "Requests the engines aborted unfinished", "num_aborted"),
         )
         for name, doc, key in counters:
             counter = CounterMetricFamily(name, doc, labels=labels)

@@ -66,6 +66,11 @@ METRICS: dict[str, tuple[str, str, str | None]] = {
         "Requests continued from another engine's KV (decode role)",
         "num_kv_imports",
     ),
+    "neuron_serve_requests_aborted_total": (
+        "counter",
+        "Requests aborted before they finished (a client left)",
+        "num_aborted",
+    ),
     "neuron_serve_time_to_first_token_seconds": (
         "histogram",
         "Arrival at this engine to its first token",

@@ -63,6 +63,7 @@ class EngineStats:
     num_unfinished_outputs: int
     num_kv_exports: int = 0  # requests handed off to a decode engine (prefill role)
     num_kv_imports: int = 0  # requests continued from another engine's KV (decode role)
+    num_aborted: int = 0  # requests aborted (a client left, a caller cancelled) unfinished
     # Blocks held outside any request: handed-off prompts not yet read (prefill role) and
     # blocks a block read is still writing into (decode role).
     num_kv_blocks_held: int = 0
@@ -535,6 +536,7 @@ class LLMEngine:
             num_unfinished_outputs=len(self.output_processor.parents),
             num_kv_exports=self.num_kv_exports,
             num_kv_imports=self.num_kv_imports,
+            num_aborted=self.output_processor.num_aborted,
             num_kv_blocks_held=self.kv.num_held_blocks,
             num_kv_reads=len(self._reads) + len(self._orphan_reads),
             num_grammar_states=self.structured.num_states,

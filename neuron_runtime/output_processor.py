@@ -57,6 +57,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, _Parent] = {}
+        self.num_aborted = 0  # requests aborted with a sequence still unfinished
         self.child_to_parent: dict[str, str] = {}
 
     def add(
@@ -218,9 +219,10 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         if parent is None:
             return None
-        for seq in parent.seqs.values():
-            if seq.finish_reason is None:
-                seq.finish_reason = "abort"
+        unfinished = [seq for seq in parent.seqs.values() if seq.finish_reason is None]
+        for seq in unfinished:
+            seq.finish_reason = "abort"
+        self.num_aborted += bool(unfinished)
         return self._output(parent)
 
     def child_ids(self, request_id: str) -> list[str]:

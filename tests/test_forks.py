@@ -60,3 +60,21 @@ def test_abort_while_forks_wait_frees_everything(shared):
     assert (stats.num_running, stats.num_waiting, stats.num_unfinished_outputs) == (0, 0, 0)
     assert stats.num_kv_blocks_used == 0
     assert not engine.has_unfinished_requests()
+
+
+def test_only_an_unfinished_request_counts_as_aborted(shared):
+    """EngineStats.num_aborted (neuron:requests_aborted_total): a request aborted while it
+    runs counts once, however many samples it has; aborting a finished one or an unknown id
+    does not count."""
+    engine = shared.engine
+    before = engine.stats().num_aborted
+    (done,) = shared.generate([prompt(600)], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.abort_request(done.request_id)
+    engine.abort_request("no-such-request")
+    assert engine.stats().num_aborted == before
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=50, ignore_eos=True)
+    engine.add_request("abort-count", prompt(700), params)
+    engine.step()
+    engine.abort_request("abort-count")
+    engine.abort_request("abort-count")  # a second abort finds nothing left to end
+    assert engine.stats().num_aborted == before + 1

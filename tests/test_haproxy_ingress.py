@@ -209,22 +209,23 @@ def test_a_bad_request_through_haproxy_gets_a_400_naming_the_field(haproxy_app) 
     assert "max_tokens" in str(info.value.body)
 
 
-def _running(base: str) -> float:
+def _metric(base: str, name: str) -> float:
+    """The sum of a metric's samples on /metrics (one per model name)."""
     metrics = httpx.get(f"{base}/metrics", timeout=10).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()
-        if line.startswith("vllm:num_requests_running{")
+        if line.startswith(name + "{")
     )
 
 
-def _wait_running(base: str, expected: int, failure: str, timeout_s: float = 30.0) -> None:
-    """Asks /metrics until it shows `expected` running requests. A scrape whose stats call to
-    the engine replicas times out (2 s; the first call through a new handle waits for Serve's
-    controller) serves the last numbers seen, so one stale answer is not the answer."""
-    deadline = time.monotonic() + timeout_s
-    while _running(base) != expected:
-        assert time.monotonic() < deadline, failure
+def _wait_metric(base: str, name: str, expected: float, failure: str) -> None:
+    """Asks /metrics until `name` reads `expected`. A scrape whose stats call to the engine
+    replicas times out (2 s) serves the last numbers seen, so one stale answer is not the
+    answer."""
+    deadline = time.monotonic() + 30
+    while (value := _metric(base, name)) != expected:
+        assert time.monotonic() < deadline, f"{failure} ({name} = {value})"
         time.sleep(0.5)
 
 
@@ -232,13 +233,16 @@ def test_a_client_leaving_mid_stream_frees_the_engine(haproxy_app) -> None:
     """HAProxy closes the ingress's connection; the ingress aborts the engine's request.
 
     /metrics reads the engine replicas' stats live: the LLMServer's, or (PD) every prefill
-    and decode replica's through the router, so it shows when the decode replica let go.
+    and decode replica's through the router. The request asks for far more tokens than the
+    client reads, so the engine counting it aborted (not finished) is the client's leaving
+    reaching it, and no request left running is the engine letting go.
     """
     base, _, _ = haproxy_app
+    aborted = _metric(base, "neuron:requests_aborted_total")
     body = {
         "model": MODEL,
         "prompt": PROMPT,
-        "max_tokens": 1500,
+        "max_tokens": 2000,
         "ignore_eos": True,
         "stream": True,
     }
@@ -247,10 +251,14 @@ def test_a_client_leaving_mid_stream_frees_the_engine(haproxy_app) -> None:
         client.stream("POST", f"{base}/v1/completions", json=body) as response,
     ):
         assert response.status_code == 200
+        # One iterator, kept open: leaving a `for` over iter_lines() closes the connection.
+        lines = response.iter_lines()
         events = 0
-        for line in response.iter_lines():
-            events += line.startswith("data: ")
-            if events == 8:
-                break
-        _wait_running(base, 1, "/metrics never showed the running request")
-    _wait_running(base, 0, "the engine still runs the abandoned request")
+        while events < 8:
+            events += next(lines).startswith("data: ")
+        _wait_metric(base, "vllm:num_requests_running", 1, "/metrics never showed the request")
+        # Closing the response here, 8 tokens of 2000 read, is the client leaving.
+    _wait_metric(
+        base, "neuron:requests_aborted_total", aborted + 1, "the engine never aborted the request"
+    )
+    _wait_metric(base, "vllm:num_requests_running", 0, "the engine still runs the request")
