@@ -509,6 +509,7 @@ def test_client_disconnect_aborts_in_engine(server):
             next(lines)
         assert llm_stats()["num_running"] >= 1
     wait_engine_idle(baseline)
+    assert llm_stats()["num_aborted"] == baseline["num_aborted"] + 1  # ended, not finished
 
 
 def wait_engine_idle(baseline: dict) -> None:
