@@ -250,6 +250,9 @@ class BuildArgs(BaseModel):
     # Tokens after a request's first travel over step channels (router/streams.py): one Ray
     # message per engine step per downstream replica; false: one per request per step.
     step_channels: bool = True
+    # A step channel from a replica on the same node comes over a socket on 127.0.0.1, not
+    # Ray messages (deployments/step_channel.py: a fraction of the CPU per engine step).
+    step_channel_sockets: bool = True
     # Streamed responses leave the ingress at most once per this many ms, the SSE events of
     # the steps that came meanwhile together (one message to Serve's HTTP proxy instead of
     # one per token); a token that comes later than this after the last send goes at once.
@@ -488,6 +491,7 @@ def build_openai_app(
         "max_n": args.max_n,
         "max_prompts": args.max_prompts,
         "step_channels": args.step_channels,
+        "step_channel_sockets": args.step_channel_sockets,
         "stream_batching_interval_ms": args.stream_batching_interval_ms,
         "max_migrations": args.max_migrations,
         "image_limits": args.multimodal.image_limits(),
@@ -596,6 +600,7 @@ def _disaggregated(
             serving_threads_nice=args.serving_threads_nice,
             max_local_prefill_tokens=pd.max_local_prefill_tokens,
             max_prefill_queue=pd.max_prefill_queue,
+            step_channel_sockets=args.step_channel_sockets,
         )
     )
 

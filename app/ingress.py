@@ -60,6 +60,7 @@ from app.sampling import (
 from app.text import SequenceText, chat_logprobs, completion_logprobs, prompt_logprobs
 from app.tools import ToolSetup, hermes_conversation, template_message, tool_setup
 from deployments.protocol import GenerateRequest, ImagePart
+from deployments.step_channel import this_node
 from deployments.thread_priority import lower_priority, thread_ids
 from neuron_runtime import tracing
 from neuron_runtime.engine_args import EngineArgs
@@ -80,6 +81,7 @@ class IngressConfig:
     max_n: int = 8
     max_prompts: int = 16
     step_channels: bool = True
+    step_channel_sockets: bool = True
     # Streamed SSE events are sent to the HTTP proxy at most once per this (router/streams.py
     # coalesce); 0: each as it comes.
     stream_batching_interval_ms: float = 0.0
@@ -114,7 +116,10 @@ class OpenAIIngress:
         # Tokens after a request's first come over step channels, one message per engine
         # step for all of this replica's requests on an engine (or PD router) replica.
         self.steps = StepSubscriber(
-            self.llm_stream, "ingress", min_requests=2 if self.config.step_channels else None
+            self.llm_stream,
+            "ingress",
+            min_requests=2 if self.config.step_channels else None,
+            node_id=this_node() if self.config.step_channel_sockets else None,
         )
         self.embedder = embedder
         engine_config = EngineArgs(**self.config.engine_args).create_engine_config()

@@ -129,6 +129,9 @@ PRIORITY_VARIANTS: dict[str, int | None] = {"-ray-priorities": None, "-serving-b
 # bench/local_cluster.py); "<config>-haproxy" with HAProxy in place of Serve's HTTP proxy.
 WORKERS_AT_15 = "-workers-at-15"
 HAPROXY = "-haproxy"
+# "<config>-ray-channels[-haproxy]": step channels as Ray messages even between replicas on
+# one node (BuildArgs.step_channel_sockets false).
+RAY_CHANNELS = "-ray-channels"
 # This process (the HTTP load client, SSE parsing of every stream, and its Ray driver) during
 # an app's load: its CPU and core waits are listed with the app's processes but not counted
 # in the app's ``cores`` or total wait.
@@ -145,6 +148,8 @@ for _name in list(CONFIGS):
         CONFIGS[_name + ALL_REMOTE] = CONFIGS[_name]
         for _queue in (1, 2, 4, 8):
             CONFIGS[f"{_name}-prefill-queue-{_queue}"] = CONFIGS[_name]
+for _name in list(CONFIGS):
+    CONFIGS[_name + RAY_CHANNELS] = CONFIGS[_name]
 for _name in list(CONFIGS):
     CONFIGS[_name + THROUGHPUT_OPTIMIZED] = CONFIGS[_name]
     CONFIGS[_name + WORKERS_AT_15] = CONFIGS[_name]
@@ -413,6 +418,7 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
         max_model_len=args.max_model_len,
         embedding_model=None,
         step_channels=step_channels,
+        step_channel_sockets=RAY_CHANNELS not in name,
         stream_batching_interval_ms=batching_ms,
         num_threads=args.served_threads,
         **priority,

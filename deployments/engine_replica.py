@@ -19,7 +19,7 @@ import deployments.parallel_ranks  # noqa: F401  (distributed_executor_backend "
 from deployments import ray_metrics
 from deployments.profiling import ProfiledReplica
 from deployments.protocol import ChannelRequest, ImagePart, SeqDelta, StepOutput
-from deployments.step_channel import StepPublisher
+from deployments.step_channel import ChannelItem, StepPublisher, this_node
 from deployments.thread_priority import current_nice, lower_priority, thread_ids
 from neuron_runtime import AsyncEngine, EngineArgs, tracing
 from neuron_runtime.accuracy.online import OnlineValidationConfig, OnlineValidator
@@ -81,7 +81,7 @@ class EngineReplica(ProfiledReplica):
             self.replica_id, deployment = context.replica_id.unique_id, context.deployment
         except (RuntimeError, RayServeException):  # outside a replica (unit tests, benchmarks)
             self.replica_id, deployment = "local", type(self).__name__
-        self.publisher = StepPublisher(self.replica_id)
+        self.publisher = StepPublisher(self.replica_id, this_node())
         # Serve runs one replica per actor process: its instruments are the process's.
         self.metrics = ray_metrics.EngineMetrics(
             deployment, str(args.model), record=self.replica_id != "local"
@@ -104,11 +104,12 @@ class EngineReplica(ProfiledReplica):
 
     def stats(self) -> dict[str, Any]:
         stats = {"replica_id": self.replica_id, **dataclasses.asdict(self.engine.stats())}
+        stats["step_channels_opened"] = dict(self.publisher.num_opened)
         if self.online_validation is not None:
             stats["online_validation"] = dataclasses.asdict(self.online_validation.stats())
         return stats
 
-    async def channel(self, request: ChannelRequest) -> AsyncIterator[list[tuple[str, StepOutput]]]:
+    async def channel(self, request: ChannelRequest) -> AsyncIterator[ChannelItem]:
         """A downstream's step channel: its requests' steps after their first, one message
         per wake-up (deployments/step_channel.py)."""
         async for batch in self.publisher.channel(request):

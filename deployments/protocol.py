@@ -194,3 +194,16 @@ class ChannelRequest:
 
     subscriber: str
     replica_id: str
+    # The subscriber's Ray node: on the publisher's own node the steps go over a socket on
+    # 127.0.0.1 (SocketChannel) instead of the call's messages. None: always the messages.
+    node_id: str | None = None
+
+
+@dataclass
+class SocketChannel:
+    """A step channel's first item when its steps go over a socket: connect to 127.0.0.1:port
+    and send ``token`` first; then each frame is a 4-byte big-endian length and a pickled
+    ``[(request_id, StepOutput), ...]`` batch. The call stays open while the socket does."""
+
+    port: int
+    token: str

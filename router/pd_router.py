@@ -55,7 +55,7 @@ from deployments.protocol import (
     PrefillResult,
     StepOutput,
 )
-from deployments.step_channel import StepPublisher
+from deployments.step_channel import ChannelItem, StepPublisher, this_node
 from deployments.thread_priority import lower_priority, thread_ids
 from neuron_runtime import tracing
 from neuron_runtime.kv_transfer import KVHandoff
@@ -108,6 +108,7 @@ class PDRouter:
         serving_threads_nice: int | None = None,
         max_local_prefill_tokens: int = 0,
         max_prefill_queue: int = 0,
+        step_channel_sockets: bool = True,
     ) -> None:
         tracing.configure(tracing_config, "router")
         self.prefill = prefill
@@ -132,9 +133,12 @@ class PDRouter:
         except (RuntimeError, RayServeException):  # constructed outside a replica (unit tests)
             self.replica_id = "local"
         self._span_attributes = {"neuron_serve.replica": self.replica_id}
-        self.publisher = StepPublisher(self.replica_id)
+        self.publisher = StepPublisher(self.replica_id, this_node())
         self.decode_steps = StepSubscriber(
-            self.decode, f"pd:{self.replica_id}", min_requests=2 if step_channels else None
+            self.decode,
+            f"pd:{self.replica_id}",
+            min_requests=2 if step_channels else None,
+            node_id=this_node() if step_channel_sockets else None,
         )
         # No thread ahead of the engines' (deployments/thread_priority.py).
         lower_priority(thread_ids(), serving_threads_nice)
@@ -148,7 +152,7 @@ class PDRouter:
         async for step in self.publisher.publish(subscriber, request.request_id, steps):
             yield step
 
-    async def channel(self, request: ChannelRequest) -> AsyncIterator[list[tuple[str, StepOutput]]]:
+    async def channel(self, request: ChannelRequest) -> AsyncIterator[ChannelItem]:
         """An ingress replica's step channel (deployments/step_channel.py)."""
         async for batch in self.publisher.channel(request):
             yield batch

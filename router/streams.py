@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
-from deployments.protocol import ChannelRequest
+from deployments.protocol import ChannelRequest, SocketChannel, StepOutput
+from deployments.step_channel import FRAME
 
 _END = object()
 
@@ -123,11 +125,15 @@ class StepSubscriber:
     channel it was on (its replica died).
     """
 
-    def __init__(self, handle: Any, name: str, min_requests: int | None = 2) -> None:
+    def __init__(
+        self, handle: Any, name: str, min_requests: int | None = 2, node_id: str | None = None
+    ) -> None:
         # A stream=True DeploymentHandle of the upstream deployment.
         self.handle = handle
         self.subscriber = f"{name}:{uuid.uuid4().hex[:12]}"
         self.min_requests = min_requests
+        # This replica's Ray node: upstream replicas on it send over a socket (None: never).
+        self.node_id = node_id
         self.queues: dict[str, asyncio.Queue] = {}
         self.owners: dict[str, str] = {}  # request id -> the replica serving it
         self.channels: dict[str, asyncio.Task] = {}  # replica id -> its channel's reader
@@ -162,13 +168,14 @@ class StepSubscriber:
         opened = False
         error: BaseException = ChannelLost(f"the step channel of replica {replica_id} ended")
         try:
-            channel = self.handle.channel.remote(ChannelRequest(self.subscriber, replica_id))
+            request = ChannelRequest(self.subscriber, replica_id, self.node_id)
+            channel = self.handle.channel.remote(request)
             async for batch in channel:
                 opened = True
-                for request_id, step in batch:
-                    queue = self.queues.get(request_id)
-                    if queue is not None:  # else aborted here; the engine is dropping it too
-                        queue.put_nowait(step)
+                if isinstance(batch, SocketChannel):
+                    await self._read_socket(batch, channel)
+                    break
+                self._deliver(batch)
         except Exception as exc:  # noqa: BLE001 - the replica died, refused or was full
             error = ChannelLost(f"the step channel of replica {replica_id} ended: {exc}")
             error.__cause__ = exc
@@ -186,6 +193,37 @@ class StepSubscriber:
                 self.forget(request_id)
                 if queue is not None:
                     queue.put_nowait(error)
+
+    def _deliver(self, batch: list[tuple[str, StepOutput]]) -> None:
+        for request_id, step in batch:
+            queue = self.queues.get(request_id)
+            if queue is not None:  # else aborted here; the engine is dropping it too
+                queue.put_nowait(step)
+
+    async def _read_socket(self, offer: SocketChannel, channel: Any) -> None:
+        """A channel's batches over its socket (deployments/step_channel.py) until the socket
+        or the call ends: either is the channel ending."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", offer.port)
+        # The call has no more items; it ends when the publisher's side does.
+        call_end = asyncio.ensure_future(anext(aiter(channel), None))
+        call_end.add_done_callback(lambda _: writer.close())
+        try:
+            writer.write(offer.token.encode())
+            await writer.drain()
+            while True:
+                try:
+                    size = FRAME.unpack(await reader.readexactly(FRAME.size))[0]
+                    data = await reader.readexactly(size)
+                except asyncio.IncompleteReadError:
+                    break
+                self._deliver(pickle.loads(data))
+        finally:
+            writer.close()
+            call_end.cancel()
+            await asyncio.wait({call_end})
+        error = None if call_end.cancelled() else call_end.exception()
+        if error is not None:
+            raise error
 
 
 class Followed:

@@ -187,6 +187,12 @@ def test_concurrent_mixed_greedy_equals_colocated_and_offline(pd_server, offline
     for i, out in enumerate(expected):
         assert pd[i] == colo[i] == (out.text, len(out.token_ids)), chats[i]
     wait_idle("pd", 2)
+    # One node: the router's channels from the decode replica (and the colocated app's
+    # ingress's from its LLMServer) are sockets.
+    for deployment, app in (("DecodeServer", "pd"), ("LLMServer", "colo")):
+        (stats,) = replica_stats(deployment, app, 1).values()
+        opened = stats["step_channels_opened"]
+        assert opened["socket"] >= 1 and opened["messages"] == 0, (deployment, opened)
 
 
 def test_streaming_n2_seeded_equals_offline(pd_server, offline):

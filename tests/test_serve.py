@@ -242,6 +242,9 @@ def test_concurrent_streams_equal_offline_llm(client, offline_llm):
     ]
     assert got == expected
     wait_engine_idle(baseline)
+    # The ingress and the LLMServer share this node: every channel between them is a socket.
+    opened = llm_stats()["step_channels_opened"]
+    assert opened["socket"] >= 1 and opened["messages"] == 0, opened
 
 
 def test_completion_n2_seeds_reproducible_and_streaming(client):

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 from collections.abc import AsyncGenerator
 
 import pytest
 
-from deployments.protocol import ChannelRequest, SeqDelta, StepOutput
-from deployments.step_channel import ChannelMismatchError, StepPublisher
+from deployments.protocol import ChannelRequest, SeqDelta, SocketChannel, StepOutput
+from deployments.step_channel import FRAME, ChannelMismatchError, StepPublisher
 from router.streams import StepSubscriber
 
 
@@ -160,11 +161,31 @@ async def run_steps(engine: FakeEngine, until) -> None:  # noqa: ANN001
     raise AssertionError("not done after 1000 steps")
 
 
-def make(min_requests: int = 2) -> tuple[FakeEngine, StepPublisher, FakeHandle, StepSubscriber]:
+@pytest.fixture(params=["messages", "socket"])
+def transport(request) -> str:
+    """How a channel's batches travel: the call's messages, or (subscriber and publisher on
+    one node) a socket on 127.0.0.1."""
+    return request.param
+
+
+def make(
+    transport: str, min_requests: int = 2
+) -> tuple[FakeEngine, StepPublisher, FakeHandle, StepSubscriber]:
     engine = FakeEngine()
-    publisher = StepPublisher("replica-A")
+    node = "node-1" if transport == "socket" else None
+    publisher = StepPublisher("replica-A", node_id=node)
     handle = FakeHandle(publisher, engine)
-    return engine, publisher, handle, StepSubscriber(handle, "ingress", min_requests)
+    hub = StepSubscriber(handle, "ingress", min_requests, node_id=node)
+    # What the subscriber received, one entry per message, whichever way it came.
+    hub.received = []  # type: ignore[attr-defined]
+    deliver = hub._deliver
+
+    def recording(batch: list) -> None:
+        hub.received.append(batch)  # type: ignore[attr-defined]
+        deliver(batch)
+
+    hub._deliver = recording  # type: ignore[method-assign]
+    return engine, publisher, handle, hub
 
 
 async def channel_open(publisher: StepPublisher, hub: StepSubscriber) -> None:
@@ -175,9 +196,9 @@ async def channel_open(publisher: StepPublisher, hub: StepSubscriber) -> None:
     raise AssertionError("the channel did not open")
 
 
-def test_every_request_gets_its_tokens_in_one_message_per_step():
+def test_every_request_gets_its_tokens_in_one_message_per_step(transport):
     async def main() -> None:
-        engine, publisher, handle, hub = make()
+        engine, publisher, handle, hub = make(transport)
         lengths = {f"r-{i}": 5 + i for i in range(1, 7)}
         opened = [await open_request(hub, handle, rid, n) for rid, n in lengths.items()]
         assert all(first.channel == "replica-A" for first, _ in opened)
@@ -190,8 +211,11 @@ def test_every_request_gets_its_tokens_in_one_message_per_step():
         # One channel for the subscriber, one message per engine step with every live
         # request's new token (the steps after the first: max length - 1 of them).
         assert len(handle.channels) == 1
-        batches = [batch for batch in handle.channel_messages if batch]
+        batches = [batch for batch in hub.received if batch]
         assert len(batches) == max(lengths.values()) - 1
+        # Over a socket the call itself carries only the offer.
+        if transport == "socket":
+            assert [type(m).__name__ for m in handle.channel_messages] == ["SocketChannel"]
         assert len(batches[0]) == len(lengths)
         assert not hub.queues and not hub.owners and publisher.num_pending() == 0
         assert not engine.aborted
@@ -201,9 +225,9 @@ def test_every_request_gets_its_tokens_in_one_message_per_step():
     asyncio.run(main())
 
 
-def test_without_a_channel_the_steps_come_on_the_submit_calls():
+def test_without_a_channel_the_steps_come_on_the_submit_calls(transport):
     async def main() -> None:
-        engine, publisher, handle, hub = make(min_requests=100)
+        engine, publisher, handle, hub = make(transport, min_requests=100)
         opened = [await open_request(hub, handle, f"r-{i}", 6) for i in (1, 2, 3)]
         readers = [asyncio.create_task(collect(first, rest)) for first, rest in opened]
         await run_steps(engine, lambda: all(r.done() for r in readers))
@@ -213,9 +237,9 @@ def test_without_a_channel_the_steps_come_on_the_submit_calls():
     asyncio.run(main())
 
 
-def test_cancel_aborts_only_that_request_and_errors_end_only_theirs():
+def test_cancel_aborts_only_that_request_and_errors_end_only_theirs(transport):
     async def main() -> None:
-        engine, publisher, handle, hub = make()
+        engine, publisher, handle, hub = make(transport)
         kept = await open_request(hub, handle, "r-1", 8)
         left = await open_request(hub, handle, "r-2", 50)
         failing = await open_request(hub, handle, "r-3", 8, fail_at=3)
@@ -236,18 +260,19 @@ def test_cancel_aborts_only_that_request_and_errors_end_only_theirs():
     asyncio.run(main())
 
 
-def test_a_channel_that_ends_ends_every_request_on_it_with_an_error():
+def test_a_channel_that_ends_ends_every_request_on_it_with_an_error(transport):
     async def main() -> None:
-        engine, publisher, handle, hub = make()
+        engine, publisher, handle, hub = make(transport)
         opened = [await open_request(hub, handle, f"r-{i}", 40) for i in (1, 2)]
         await channel_open(publisher, hub)
         readers = [asyncio.create_task(collect(first, rest)) for first, rest in opened]
-        await run_steps(engine, lambda: len(handle.channel_messages) >= 3)
+        await run_steps(engine, lambda: len(hub.received) >= 3)
         handle.channels[0].cancel()  # the replica went away mid-stream
         await run_steps(engine, lambda: all(r.done() for r in readers))
         for reader in readers:
-            with pytest.raises(RuntimeError, match="the call was cancelled"):
-                reader.result()  # the channel's own error, passed on
+            # The call's own error, passed on; over a socket the socket's end may come first.
+            with pytest.raises(RuntimeError, match="the call was cancelled|channel .* ended"):
+                reader.result()
         assert not hub.queues and not hub.owners and not hub.channels
         # The submit calls outlive a lost channel: each request is aborted on the replica
         # (a migrated copy must not run beside it).
@@ -262,5 +287,37 @@ def test_a_channel_reaching_another_replica_is_refused():
         channel = StepPublisher("replica-B").channel(ChannelRequest("ingress:x", "replica-A"))
         with pytest.raises(ChannelMismatchError):
             await anext(channel)
+
+    asyncio.run(main())
+
+
+def test_a_socket_channel_takes_only_the_subscriber_with_its_token():
+    """The offer's port refuses a connection without the token (another local process) and
+    still serves the subscriber; a subscriber on another node gets the call's messages."""
+
+    async def main() -> None:
+        publisher = StepPublisher("replica-A", node_id="node-1")
+        other_node = publisher.channel(ChannelRequest("ingress:far", "replica-A", "node-2"))
+        assert await anext(other_node) == []
+        await other_node.aclose()
+
+        channel = publisher.channel(ChannelRequest("ingress:x", "replica-A", "node-1"))
+        offer = await anext(channel)
+        assert isinstance(offer, SocketChannel)
+        serving = asyncio.ensure_future(anext(channel, None))  # the publisher's side runs
+        stranger_reader, stranger = await asyncio.open_connection("127.0.0.1", offer.port)
+        stranger.write(b"0" * len(offer.token))
+        assert await stranger_reader.read() == b""  # closed on it, nothing sent
+        stranger.close()
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", offer.port)
+        writer.write(offer.token.encode())
+        step = StepOutput([SeqDelta(0, [7])], num_prompt_tokens=3)
+        publisher.outboxes["ingress:x"].put("r-1", step)
+        size = FRAME.unpack(await reader.readexactly(FRAME.size))[0]
+        assert pickle.loads(await reader.readexactly(size)) == [("r-1", step)]
+        writer.close()  # the subscriber leaves: the call ends, the outbox goes
+        assert await asyncio.wait_for(serving, 5) is None
+        assert not publisher.outboxes
 
     asyncio.run(main())
