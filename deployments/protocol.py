@@ -202,8 +202,11 @@ class ChannelRequest:
 @dataclass
 class SocketChannel:
     """A step channel's first item when its steps go over a socket: connect to 127.0.0.1:port
-    and send ``token`` first; then each frame is a 4-byte big-endian length and a pickled
-    ``[(request_id, StepOutput), ...]`` batch. The call stays open while the socket does."""
+    and send ``token``; the publisher answers ``reply`` (so the port's holder is proven to be
+    it before anything is unpickled), then each frame is a 4-byte big-endian length and a
+    pickled ``[(request_id, StepOutput), ...]`` batch. The call stays open while the socket
+    does."""
 
     port: int
     token: str
+    reply: str

@@ -24,11 +24,12 @@ its downstream lives.
 
 A subscriber on the publisher's own Ray node (``ChannelRequest.node_id``) gets the batches
 over a TCP socket on 127.0.0.1 instead: the call's one item is a SocketChannel (a port and a
-one-time token), the subscriber connects and sends the token, and each batch is a frame on
-the socket while the call stays open. A Ray message wakes several threads of both processes
-(receiving one at an engine step's pace costs each side about 1.4 ms of CPU against 0.3 ms
-over a socket: bench/step_transport.py), and on a small host that CPU comes out of the
-engine's kernel threads. Either end closing or dying ends both the socket and the call.
+one-time token each way), the subscriber connects and sends its token, the publisher answers
+with its own, and each batch is a frame on the socket while the call stays open. A Ray
+message wakes several threads of both processes (receiving one at an engine step's pace
+costs each side about 1.4 ms of CPU against 0.3 ms over a socket: bench/step_transport.py),
+and on a small host that CPU comes out of the engine's kernel threads. Either end closing or
+dying ends both the socket and the call.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class StepPublisher:
 async def _over_socket(outbox: _Outbox) -> AsyncIterator[SocketChannel]:
     """Offers a socket on 127.0.0.1 (the one item), then writes the outbox to the subscriber
     that connected with the token until it closes the socket or the call ends."""
-    token = secrets.token_hex(16)
+    token, reply = secrets.token_hex(16), secrets.token_hex(16)
     connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]
     connected = asyncio.get_running_loop().create_future()
 
@@ -152,13 +153,14 @@ async def _over_socket(outbox: _Outbox) -> AsyncIterator[SocketChannel]:
         if got != token.encode() or connected.done():
             writer.close()
             return
+        writer.write(reply.encode())
         connected.set_result((reader, writer))
 
     server = await asyncio.start_server(accept, "127.0.0.1", 0)
     writer: asyncio.StreamWriter | None = None
     tasks: list[asyncio.Task] = []
     try:
-        yield SocketChannel(server.sockets[0].getsockname()[1], token)
+        yield SocketChannel(server.sockets[0].getsockname()[1], token, reply)
         reader, subscriber = await asyncio.wait_for(connected, SOCKET_CONNECT_TIMEOUT_S)
         writer = subscriber
         server.close()  # one subscriber

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import time
 import uuid
@@ -11,6 +12,8 @@ from typing import Any
 
 from deployments.protocol import ChannelRequest, SocketChannel, StepOutput
 from deployments.step_channel import FRAME
+
+logger = logging.getLogger("ray.serve")
 
 _END = object()
 
@@ -203,13 +206,24 @@ class StepSubscriber:
     async def _read_socket(self, offer: SocketChannel, channel: Any) -> None:
         """A channel's batches over its socket (deployments/step_channel.py) until the socket
         or the call ends: either is the channel ending."""
-        reader, writer = await asyncio.open_connection("127.0.0.1", offer.port)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", offer.port)
+        except OSError:
+            # The publisher's loopback is not this process's (another network namespace on
+            # the same Ray node): later channels come as the call's messages.
+            logger.warning(
+                "step channel socket 127.0.0.1:%d refused; using Ray messages", offer.port
+            )
+            self.node_id = None
+            raise
         # The call has no more items; it ends when the publisher's side does.
         call_end = asyncio.ensure_future(anext(aiter(channel), None))
         call_end.add_done_callback(lambda _: writer.close())
         try:
             writer.write(offer.token.encode())
             await writer.drain()
+            if await reader.readexactly(len(offer.reply)) != offer.reply.encode():
+                raise ConnectionError(f"port {offer.port} is not the step channel offered")
             while True:
                 try:
                     size = FRAME.unpack(await reader.readexactly(FRAME.size))[0]

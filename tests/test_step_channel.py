@@ -312,6 +312,7 @@ def test_a_socket_channel_takes_only_the_subscriber_with_its_token():
 
         reader, writer = await asyncio.open_connection("127.0.0.1", offer.port)
         writer.write(offer.token.encode())
+        assert await reader.readexactly(len(offer.reply)) == offer.reply.encode()
         step = StepOutput([SeqDelta(0, [7])], num_prompt_tokens=3)
         publisher.outboxes["ingress:x"].put("r-1", step)
         size = FRAME.unpack(await reader.readexactly(FRAME.size))[0]
@@ -319,5 +320,33 @@ def test_a_socket_channel_takes_only_the_subscriber_with_its_token():
         writer.close()  # the subscriber leaves: the call ends, the outbox goes
         assert await asyncio.wait_for(serving, 5) is None
         assert not publisher.outboxes
+
+    asyncio.run(main())
+
+
+def test_a_subscriber_reads_nothing_from_a_port_that_does_not_answer_its_reply():
+    """Whatever holds the offered port must answer the offer's reply token before any frame
+    is unpickled (a port freed and taken by another process)."""
+
+    async def main() -> None:
+        async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readexactly(32)
+            writer.write(b"0" * 32)  # not the reply
+            data = pickle.dumps([("r-1", StepOutput([SeqDelta(0, [1])], 3))])
+            writer.write(FRAME.pack(len(data)) + data)
+
+        server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+
+        async def open_call():  # noqa: ANN202 - a channel call with no more items
+            await asyncio.Event().wait()
+            yield []
+
+        hub = StepSubscriber(None, "ingress", node_id="node-1")
+        hub.expect("r-1")
+        with pytest.raises(ConnectionError, match="not the step channel offered"):
+            await hub._read_socket(SocketChannel(port, "a" * 32, "b" * 32), open_call())
+        assert hub.queues["r-1"].empty()
+        server.close()
 
     asyncio.run(main())
