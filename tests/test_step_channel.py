@@ -334,6 +334,7 @@ def test_a_subscriber_reads_nothing_from_a_port_that_does_not_answer_its_reply()
             writer.write(b"0" * 32)  # not the reply
             data = pickle.dumps([("r-1", StepOutput([SeqDelta(0, [1])], 3))])
             writer.write(FRAME.pack(len(data)) + data)
+            writer.close()
 
         server = await asyncio.start_server(impostor, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
@@ -345,7 +346,8 @@ def test_a_subscriber_reads_nothing_from_a_port_that_does_not_answer_its_reply()
         hub = StepSubscriber(None, "ingress", node_id="node-1")
         hub.expect("r-1")
         with pytest.raises(ConnectionError, match="not the step channel offered"):
-            await hub._read_socket(SocketChannel(port, "a" * 32, "b" * 32), open_call())
+            offer = SocketChannel(port, "a" * 32, "b" * 32)
+            await asyncio.wait_for(hub._read_socket(offer, open_call()), 10)
         assert hub.queues["r-1"].empty()
         server.close()
 
