@@ -41,6 +41,8 @@ import secrets
 import struct
 from collections.abc import AsyncGenerator, AsyncIterator
 
+import ray
+
 from deployments.protocol import ChannelRequest, SocketChannel, StepOutput
 
 # A socket channel's frame header: the pickled batch's length.
@@ -72,8 +74,6 @@ class _Outbox:
 
 def this_node() -> str | None:
     """The Ray node this process runs on; None outside Ray (unit tests, the offline engine)."""
-    import ray
-
     if not ray.is_initialized():
         return None
     return str(ray.get_runtime_context().get_node_id())

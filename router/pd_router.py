@@ -133,12 +133,13 @@ class PDRouter:
         except (RuntimeError, RayServeException):  # constructed outside a replica (unit tests)
             self.replica_id = "local"
         self._span_attributes = {"neuron_serve.replica": self.replica_id}
-        self.publisher = StepPublisher(self.replica_id, this_node())
+        node = this_node()
+        self.publisher = StepPublisher(self.replica_id, node)
         self.decode_steps = StepSubscriber(
             self.decode,
             f"pd:{self.replica_id}",
             min_requests=2 if step_channels else None,
-            node_id=this_node() if step_channel_sockets else None,
+            node_id=node if step_channel_sockets else None,
         )
         # No thread ahead of the engines' (deployments/thread_priority.py).
         lower_priority(thread_ids(), serving_threads_nice)
