@@ -92,6 +92,11 @@ class DisaggregationArgs(BaseModel):
     # moves. Longer ones are prefilled apart, so they do not stall the decode batch for a
     # whole step. 0: every prompt goes to a prefill replica.
     max_local_prefill_tokens: int = Field(0, ge=0)
+    # Those requests (n = 1 too) go from the ingress straight to a decode replica, picked as
+    # the PD router picks one, instead of through the PD router: their tokens cross one
+    # replica fewer (the router forwards every step it does not own), and the ingress
+    # resumes them on another decode replica when theirs is lost (router/migration.py).
+    direct_decode: bool = False
     # Longer prompts go to the prefill replicas while fewer than this many of a PD router's
     # requests are there (queued or computing); one that finds them at it is prefilled at
     # decode as a short prompt is, instead of waiting behind them. 0: no limit.
@@ -461,8 +466,11 @@ def build_openai_app(
 ) -> Application:
     """The application, with hooks for tests: a fake engine class and deployment options."""
     engine_args = args.full_engine_args()
+    decode = None  # the DecodeServer deployment, for the ingress's direct decode calls
     if args.mode == "disaggregated":
-        llm = _disaggregated(args, llm_engine_cls, prefill_options, decode_options, encoder_options)
+        llm, decode = _disaggregated(
+            args, llm_engine_cls, prefill_options, decode_options, encoder_options
+        )
     else:
         llm = (
             as_deployment(LLMServer)
@@ -499,8 +507,14 @@ def build_openai_app(
         "profiler": args.profiler.model_dump(),
         "serving_threads_nice": args.serving_threads_nice,
     }
+    if decode is not None and args.disaggregation.direct_decode:
+        config["direct_decode_max_prompt_tokens"] = args.disaggregation.max_local_prefill_tokens
+    else:
+        decode = None
     return (
-        as_deployment(OpenAIIngress).options(**(ingress_options or {})).bind(llm, embedder, config)
+        as_deployment(OpenAIIngress)
+        .options(**(ingress_options or {}))
+        .bind(llm, embedder, config, decode)
     )
 
 
@@ -510,9 +524,10 @@ def _disaggregated(
     prefill_options: dict[str, Any] | None,
     decode_options: dict[str, Any] | None,
     encoder_options: dict[str, Any] | None,
-) -> Any:
+) -> tuple[Any, Any]:
     """PDRouter -> PrefillServer (prefix-affinity routed) and DecodeServer (KV-capacity
-    routed), and VisionEncoder replicas (rendezvous routed) for a model with a vision tower."""
+    routed), and VisionEncoder replicas (rendezvous routed) for a model with a vision tower;
+    the router and the decode deployment."""
     pd = args.disaggregation
     transport = KVTransportConfig(
         pd.kv_transport, pd.kv_hold_timeout_s, pd.kv_nixl_backend, pd.kv_read_layer_wise
@@ -585,7 +600,7 @@ def _disaggregated(
                 tracing_config=args.tracing.model_dump(),
             )
         )
-    return (
+    router = (
         as_deployment(PDRouter)
         .options(request_router_config=_pinning_router())
         .bind(
@@ -603,6 +618,7 @@ def _disaggregated(
             step_channel_sockets=args.step_channel_sockets,
         )
     )
+    return router, decode
 
 
 def engine_options(

@@ -59,7 +59,7 @@ from app.sampling import (
 )
 from app.text import SequenceText, chat_logprobs, completion_logprobs, prompt_logprobs
 from app.tools import ToolSetup, hermes_conversation, template_message, tool_setup
-from deployments.protocol import GenerateRequest, ImagePart
+from deployments.protocol import DecodeRequest, GenerateRequest, ImagePart
 from deployments.step_channel import this_node
 from deployments.thread_priority import lower_priority, thread_ids
 from neuron_runtime import tracing
@@ -101,13 +101,21 @@ class IngressConfig:
     # (at Ray's worker niceness, as the engines'; deployments/thread_priority.py); None:
     # as Ray set them.
     serving_threads_nice: int | None = None
+    # With a decode handle (disaggregated, direct_decode): a request of one sequence, no
+    # images and a prompt of at most this many tokens goes straight to a decode replica,
+    # which prefills it itself, not through the PD router.
+    direct_decode_max_prompt_tokens: int = 0
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0.25})
 @serve.ingress()
 class OpenAIIngress:
     def __init__(
-        self, llm: DeploymentHandle, embedder: DeploymentHandle | None, config: dict[str, Any]
+        self,
+        llm: DeploymentHandle,
+        embedder: DeploymentHandle | None,
+        config: dict[str, Any],
+        decode: DeploymentHandle | None = None,
     ) -> None:
         self.config = IngressConfig(**config)
         tracing.configure(self.config.tracing, "ingress")
@@ -115,12 +123,15 @@ class OpenAIIngress:
         self.llm_stream = llm.options(stream=True)
         # Tokens after a request's first come over step channels, one message per engine
         # step for all of this replica's requests on an engine (or PD router) replica.
-        self.steps = StepSubscriber(
-            self.llm_stream,
-            "ingress",
-            min_requests=2 if self.config.step_channels else None,
-            node_id=this_node() if self.config.step_channel_sockets else None,
-        )
+        node = this_node() if self.config.step_channel_sockets else None
+        min_requests = 2 if self.config.step_channels else None
+        self.steps = StepSubscriber(self.llm_stream, "ingress", min_requests, node)
+        # Requests sent straight to decode replicas (IngressConfig.direct_decode_max_prompt_tokens).
+        self.decode_steps = None
+        if decode is not None:
+            self.decode_steps = StepSubscriber(
+                decode.options(stream=True), "ingress-decode", min_requests, node
+            )
         self.embedder = embedder
         engine_config = EngineArgs(**self.config.engine_args).create_engine_config()
         self.tokenizer = Tokenizer(engine_config.model.path)
@@ -364,29 +375,45 @@ class OpenAIIngress:
         sent to the client yet) is submitted again, up to ``retries`` times, under an id of
         its own (``.r1``...: the lost replica's calls downstream may still hold the first)."""
         first_id = request.request_id
+        steps = self._steps_for(request)
         for attempt in range(retries + 1):
             if attempt:
                 request = dataclasses.replace(request, request_id=f"{first_id}.r{attempt}")
-            self.steps.expect(request.request_id)
+            steps.expect(request.request_id)
             try:
-                return await self._submit(request)
+                return await self._submit(request, steps)
             except Exception as exc:
-                self.steps.forget(request.request_id)
+                steps.forget(request.request_id)
                 if attempt == retries or not is_replica_lost(exc):
                     raise
             except BaseException:
-                self.steps.forget(request.request_id)
+                steps.forget(request.request_id)
                 raise
             await asyncio.sleep(REOPEN_RETRY_S)
         raise AssertionError("unreachable")
 
-    async def _submit(self, request: GenerateRequest) -> PromptStream:
+    def _steps_for(self, request: GenerateRequest) -> StepSubscriber:
+        """Where the request goes: the LLM deployment (LLMServer or PD router), or straight
+        to a decode replica (``decode_steps``) for a short, single-sequence text prompt."""
+        if (
+            self.decode_steps is not None
+            and not request.images
+            and int(request.sampling.get("n") or 1) == 1
+            and len(request.prompt_token_ids) <= self.config.direct_decode_max_prompt_tokens
+        ):
+            return self.decode_steps
+        return self.steps
+
+    async def _submit(self, request: GenerateRequest, steps: StepSubscriber) -> PromptStream:
         # A stream=True handle: remote() returns a DeploymentResponseGenerator; it carries the
         # first step, the step channel the rest.
-        stream = cast(
-            DeploymentResponseGenerator,
-            self.llm_stream.generate.remote(request, self.steps.subscriber),
-        )
+        if steps is self.steps:
+            call = self.llm_stream.generate.remote(request, steps.subscriber)
+        else:
+            # Prefilled by the decode replica, as the PD router sends it there (a resumed
+            # request's sampling already leaves out what its first tokens carried).
+            call = steps.handle.generate.remote(DecodeRequest.whole(request), steps.subscriber)
+        stream = cast(DeploymentResponseGenerator, call)
         try:
             first = await stream.__anext__()
         except BackPressureError as exc:
@@ -404,9 +431,9 @@ class OpenAIIngress:
             if isinstance(getattr(exc, "cause", None), BackPressureError):
                 raise self._overloaded() from exc
             raise OpenAIError(500, f"generation failed: {_first_line(exc)}") from exc
-        rest = self.steps.follow(request.request_id, first, stream)
-        # A request whose replica (LLMServer, or a PD router: that one migrates what its
-        # decode replicas lose) is lost mid-stream resumes on another one.
+        rest = steps.follow(request.request_id, first, stream)
+        # A request whose replica (LLMServer, a decode replica, or a PD router: that one
+        # migrates what its decode replicas lose) is lost mid-stream resumes on another one.
         return PromptStream(
             first,
             rest,

@@ -43,6 +43,11 @@ replica: served / offline is what the serving path keeps of the engine's speed.
 ``--peer-offline`` (with ``--peer vllm``) adds the same on vLLM's side: its offline engine
 (``vllm.LLM`` in the peer venv, bench/vllm_peer.py) on each round's load at the highest
 concurrency, its batch limit that concurrency, throughput and cores only.
+``--offline-beside-idle`` runs the offline engine a second time in each of our apps' slots,
+while that app is deployed and idle after its load ("offline beside <app>"): what the engine
+keeps of its speed when a served app's processes (Ray's daemons, Serve's controller and
+proxy, the replicas' own loops) share its cores with nothing to serve, a ceiling for served /
+offline on this box.
 
     python bench/serve.py --start-server --peer vllm                 # the issue's table
     python bench/serve.py --start-server --configs colocated,disaggregated,disaggregated-nixl
@@ -138,16 +143,23 @@ RAY_CHANNELS = "-ray-channels"
 LOAD_CLIENT = "load client (this process)"
 # With --peer-offline: vLLM's offline engine's row (throughput and cores only).
 VLLM_OFFLINE = "vllm-offline"
+OFFLINE_BESIDE = "offline beside "  # + an app: the offline engine beside that app, idle
 # "<config>-all-remote": a disaggregated config with every prompt on a prefill replica
 # (max_local_prefill_tokens 0), whatever the shipped file sets.
 ALL_REMOTE = "-all-remote"
 # "<config>-prefill-queue-N": a disaggregated config with max_prefill_queue N.
 PREFILL_QUEUE = re.compile(r"-prefill-queue-(\d+)(?=-|$)")
+# "<config>-direct-decode" / "<config>-through-router": a disaggregated config with the
+# prompts its decode replicas prefill sent there by the ingress, or through the PD router
+# (DisaggregationArgs.direct_decode), whatever the shipped file sets.
+DIRECT_DECODE = {"-direct-decode": True, "-through-router": False}
 for _name in list(CONFIGS):
     if CONFIGS[_name][0] == "disaggregated":
         CONFIGS[_name + ALL_REMOTE] = CONFIGS[_name]
         for _queue in (1, 2, 4, 8):
             CONFIGS[f"{_name}-prefill-queue-{_queue}"] = CONFIGS[_name]
+        for _suffix in DIRECT_DECODE:
+            CONFIGS[_name + _suffix] = CONFIGS[_name]
 for _name in list(CONFIGS):
     CONFIGS[_name + RAY_CHANNELS] = CONFIGS[_name]
 for _name in list(CONFIGS):
@@ -433,6 +445,7 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
                 "kv_transport": transport.removesuffix("-via-router"),
                 "kv_decode_first": not transport.endswith("-via-router"),
                 **({"max_local_prefill_tokens": 0} if name.endswith(ALL_REMOTE) else {}),
+                **dict(("direct_decode", v) for k, v in DIRECT_DECODE.items() if k in name),
                 **(
                     {"max_prefill_queue": int(queue[1])}
                     if (queue := PREFILL_QUEUE.search(name))
@@ -703,7 +716,19 @@ def goal_ratios(rows: dict[str, dict], high: int) -> dict[str, float]:
         ratios[f"vllm tok/s / vllm offline (c={high})"] = (
             vllm_served["output_token_throughput"] / vllm_offline["output_token_throughput"]
         )
-    for app in {r["app"] for r in rows.values()} - {"vllm", "offline", VLLM_OFFLINE}:
+    apps = {r["app"] for r in rows.values()} - {"vllm", "offline", VLLM_OFFLINE}
+    for app in {a for a in apps if a.startswith(OFFLINE_BESIDE)}:
+        served_app = app.removeprefix(OFFLINE_BESIDE)
+        beside, offline, served = get(app, high), get("offline", high), get(served_app, high)
+        if beside and offline:
+            ratios[f"{app} tok/s / offline (c={high}, ceiling of served / offline)"] = (
+                beside["output_token_throughput"] / offline["output_token_throughput"]
+            )
+        if beside and served:
+            ratios[f"{served_app} tok/s / {app} (c={high})"] = (
+                served["output_token_throughput"] / beside["output_token_throughput"]
+            )
+    for app in {a for a in apps if not a.startswith(OFFLINE_BESIDE)}:
         ours, vllm, offline = get(app, high), get("vllm", high), get("offline", high)
         if ours and vllm:
             ratios[f"{app} tok/s / vllm (c={high}, goal >= 2)"] = (
@@ -734,6 +759,12 @@ def main() -> None:
         action="store_true",
         help="with --peer vllm, vLLM's offline engine too (vllm.LLM, its batch limit the highest "
         "concurrency): served / offline on vLLM's side",
+    )
+    parser.add_argument(
+        "--offline-beside-idle",
+        action="store_true",
+        help="with --start-server, the offline engine again beside each of our apps, deployed "
+        "and idle after its load: a ceiling for served / offline",
     )
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -788,6 +819,8 @@ def main() -> None:
         sys.exit(f"unknown --peer {args.peer!r}: expected vllm")
     if args.peer_offline and args.peer != "vllm":
         sys.exit("--peer-offline needs --peer vllm")
+    if args.offline_beside_idle and not args.start_server:
+        sys.exit("--offline-beside-idle needs --start-server")
     if args.peer and not (VLLM_VENV / VLLM_STAMP).is_file():
         sys.exit(f"no vLLM peer venv at {VLLM_VENV}: create it with `make vllm-env`")
     args.served_threads = args.threads
@@ -1051,13 +1084,15 @@ def serve_rounds(
                     url = deploy(name, args, port)
                     try:
                         load(name, url, cluster_processes, round_no)
+                        if args.offline_beside_idle:
+                            offline(round_no, f"{OFFLINE_BESIDE}{name}")
                     finally:
                         serve.delete(name)
             finally:
                 stop_local_serve()
 
-    def offline(round_no: int) -> None:
-        run = offline_round(args, prompts, concurrencies, round_no, acc)
+    def offline(round_no: int, label: str = "offline") -> None:
+        run = offline_round(args, prompts, concurrencies, round_no, acc, label)
         asyncio.run(asyncio.wait_for(run, args.max_duration_s))
 
     peer_offline: list[Run] = []
@@ -1132,9 +1167,10 @@ async def offline_round(
     concurrencies: list[int],
     round_no: int,
     acc: Loads,
+    label: str = "offline",
 ) -> None:
     """The engine in this process, on the served replica's threads and batch limit: a fresh
-    engine warmed up, then the round's load at each concurrency (into ``acc`` as "offline")."""
+    engine warmed up, then the round's load at each concurrency (into ``acc`` as ``label``)."""
     from neuron_runtime import AsyncEngine, EngineArgs
 
     engine = AsyncEngine.from_engine_args(
@@ -1162,7 +1198,7 @@ async def offline_round(
                 c,
                 args.seed,
             )
-            acc.add("offline", c, results, duration, meter.usage())
+            acc.add(label, c, results, duration, meter.usage())
     finally:
         engine.shutdown()
 

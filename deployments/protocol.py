@@ -186,6 +186,20 @@ class DecodeRequest:
     resume_token_ids: list[int] = field(default_factory=list)
     await_handoff: bool = False
 
+    @classmethod
+    def whole(cls, request: GenerateRequest) -> DecodeRequest:
+        """``request`` run whole by a decode replica: its prompt (and any resumed tokens)
+        prefilled there, its sampling as given."""
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            handoff=None,
+            images=request.images,
+            trace_context=request.trace_context,
+            resume_token_ids=request.resume_token_ids,
+        )
+
 
 @dataclass
 class ChannelRequest:

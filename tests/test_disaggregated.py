@@ -9,7 +9,9 @@ Applications on the shared cluster (conftest.serve_cluster):
   so blocks nobody reads are freed within the test; reads layer-wise (``pd``'s are whole, the
   default over UCX);
 - ``pdobj`` (/pdobj): the tiny Llama, the KV through Ray's object store; prompts of up to
-  ``LOCAL_PREFILL_TOKENS`` prefilled by the decode replica itself.
+  ``LOCAL_PREFILL_TOKENS`` prefilled by the decode replica itself;
+- ``pddirect`` (/pddirect): ``pdobj`` with direct_decode: those short prompts go from the
+  ingress straight to the decode replica, not through the PD router.
 References: the offline ``LLM`` on the same weights, and the colocated app. The KV fetch policy
 is checked for both transports on a DecodeServer outside Serve. After each test every engine
 replica is back to its idle baseline: no request, no used or held KV block.
@@ -432,7 +434,13 @@ def test_decode_replica_killed_mid_stream_migrates_its_streams(fault_server):
     """The PD router resumes both streams on the replacement decode replica
     (router/migration.py): no error event, each runs to its length."""
     base, _ = fault_server
-    url = f"{base}/pdfault/v1/completions"
+    _kill_decode_mid_stream(base, "pdfault", 2)
+
+
+def _kill_decode_mid_stream(base: str, app: str, num_prefill: int) -> None:
+    """Two streams of a short prompt, their decode replica killed mid-stream: both end with
+    their full length and no error event, and the app serves again afterwards."""
+    url = f"{base}/{app}/v1/completions"
     body = {
         "model": "tiny",
         "prompt": [5, 6],
@@ -445,8 +453,8 @@ def test_decode_replica_killed_mid_stream_migrates_its_streams(fault_server):
     try:
         from ray.serve._private.common import DeploymentID, ReplicaID
 
-        (replica_id,) = replica_stats("DecodeServer", "pdfault", 1)
-        name = ReplicaID(replica_id, DeploymentID("DecodeServer", "pdfault")).to_full_id_str()
+        (replica_id,) = replica_stats("DecodeServer", app, 1)
+        name = ReplicaID(replica_id, DeploymentID("DecodeServer", app)).to_full_id_str()
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         endings = [[line for line in lines if line.startswith("data: ")] for _, lines in streams]
     finally:
@@ -460,13 +468,13 @@ def test_decode_replica_killed_mid_stream_migrates_its_streams(fault_server):
     deadline = time.monotonic() + 120
     short = {"model": "tiny", "prompt": [5, 6], "max_tokens": 3}
     while True:
-        response = httpx.post(f"{base}/pdfault/v1/completions", json=short, timeout=60)
+        response = httpx.post(url, json=short, timeout=60)
         if response.status_code == 200:
             break
         assert time.monotonic() < deadline, f"decode not restarted: {response.text}"
         time.sleep(1)
     assert response.json()["usage"]["completion_tokens"] == 3
-    wait_idle("pdfault", 2)
+    wait_idle(app, num_prefill)
 
 
 def _prefill_directly(app: str, request_id: str, prompt: list[int], max_tokens: int):  # noqa: ANN202
@@ -558,18 +566,36 @@ def object_store_server(serve_cluster, tiny_llama_path):
         decode_options=small,
         ingress_options=small,
     )
+    direct = build_openai_app(
+        tiny_pd_args(
+            tiny_llama_path,
+            kv_transport="object_store",
+            max_local_prefill_tokens=LOCAL_PREFILL_TOKENS,
+            direct_decode=True,
+        ),
+        prefill_options=small,
+        decode_options=small,
+        ingress_options=small,
+    )
     serve.run(app, name="pdobj", route_prefix="/pdobj")
+    serve.run(direct, name="pddirect", route_prefix="/pddirect")
     try:
         yield serve_cluster
     finally:
         serve.delete("pdobj")
+        serve.delete("pddirect")
 
 
-def test_object_store_concurrent_mixed_greedy_equals_offline(object_store_server, tiny_offline):
-    # Prompts of 3, 14, 25, ... tokens: the first two prefilled at decode, the rest apart.
+@pytest.mark.parametrize("app", ["pdobj", "pddirect"])
+def test_object_store_concurrent_mixed_greedy_equals_offline(
+    object_store_server, tiny_offline, app
+):
+    """Prompts of 3, 14, 25, ... tokens: the first two prefilled at decode, the rest apart.
+    In ``pddirect`` (direct_decode) the ingress sends the first two to the decode replica
+    itself, so the PD router sees only the others."""
     prompts = [[5 + (7 * i + j) % 300 for j in range(3 + 11 * i)] for i in range(6)]
     lengths = [4 + 3 * i for i in range(len(prompts))]
-    url = f"{object_store_server}/pdobj/v1/completions"
+    url = f"{object_store_server}/{app}/v1/completions"
 
     def ask(i: int) -> dict:
         body = {
@@ -584,12 +610,17 @@ def test_object_store_concurrent_mixed_greedy_equals_offline(object_store_server
         assert response.status_code == 200, response.text
         return response.json()
 
-    local = router_total("pdobj", "num_local_prefills")
+    local = router_total(app, "num_local_prefills")
+    exports = _prefill_exports(app)
     with ThreadPoolExecutor(len(prompts)) as pool:
         replies = list(pool.map(ask, range(len(prompts))))
     short = sum(len(p) <= LOCAL_PREFILL_TOKENS for p in prompts)
     assert 0 < short < len(prompts)
-    assert router_total("pdobj", "num_local_prefills") - local == short
+    # The long prompts were prefilled apart, the short ones by the decode replica: sent
+    # there by the router, or in pddirect by the ingress.
+    assert _prefill_exports(app) - exports == len(prompts) - short
+    through_router = 0 if app == "pddirect" else short
+    assert router_total(app, "num_local_prefills") - local == through_router
     for prompt, n, reply in zip(prompts, lengths, replies, strict=True):
         params = SamplingParams(temperature=0, max_tokens=n, prompt_logprobs=1)
         out = tiny_offline.generate({"prompt_token_ids": prompt}, params)[0]
@@ -601,10 +632,22 @@ def test_object_store_concurrent_mixed_greedy_equals_offline(object_store_server
         for got, want in zip(entries[1:], out.prompt_logprobs[1:], strict=True):
             served = {int(token): entry["logprob"] for token, entry in got.items()}
             assert served == pytest.approx(want, abs=1e-4), len(prompt)
-    text = httpx.get(f"{object_store_server}/pdobj/metrics", timeout=30).text
+    text = httpx.get(f"{object_store_server}/{app}/metrics", timeout=30).text
     assert re.search(r'neuron:kv_transfer_bytes_total\{[^}]*transport="object_store"', text)
     assert metric(text, "neuron:kv_transfer_failures_total") == 0
-    wait_idle("pdobj", 1)
+    wait_idle(app, 1)
+
+
+def _prefill_exports(app: str) -> int:
+    """Prompts the app's one prefill replica has handed off to decode."""
+    (stats,) = replica_stats("PrefillServer", app, 1).values()
+    return stats["num_kv_exports"]
+
+
+def test_direct_decode_stream_migrates_when_its_decode_replica_is_killed(object_store_server):
+    """Short prompts in ``pddirect`` go from the ingress straight to the decode replica; the
+    ingress resumes them on the replacement when that replica dies (router/migration.py)."""
+    _kill_decode_mid_stream(object_store_server, "pddirect", 1)
 
 
 # -- the KV fetch policy, on a DecodeServer outside Serve ------------------------------------
