@@ -47,7 +47,7 @@ concurrency, its batch limit that concurrency, throughput and cores only.
 while that app is deployed and idle after its load ("offline beside <app>"): what the engine
 keeps of its speed when a served app's processes (Ray's daemons, Serve's controller and
 proxy, the replicas' own loops) share its cores with nothing to serve, a ceiling for served /
-offline on this box.
+offline on this box; its rows list what the idle app's processes took meanwhile.
 
     python bench/serve.py --start-server --peer vllm                 # the issue's table
     python bench/serve.py --start-server --configs colocated,disaggregated,disaggregated-nixl
@@ -1190,7 +1190,8 @@ async def offline_round(
             lambda p: direct_request(engine, p, 4), warmup, float("inf"), len(warmup), args.seed
         )
         for c in concurrencies:
-            meter = UsageMeter([], "this process")
+            # Beside an idle app (--offline-beside-idle) its processes too: what they took.
+            meter = UsageMeter(cluster_processes(), "this process")
             results, duration = await run_load(
                 lambda p: direct_request(engine, p, args.output_len),
                 prompts.load(round_no, c),
