@@ -453,7 +453,10 @@ def _kill_decode_mid_stream(base: str, app: str, num_prefill: int) -> None:
     try:
         from ray.serve._private.common import DeploymentID, ReplicaID
 
-        (replica_id,) = replica_stats("DecodeServer", app, 1)
+        ((replica_id, stats),) = replica_stats("DecodeServer", app, 1).items()
+        # Their tokens come over a step channel (the router's, or with direct_decode the
+        # ingress's), a socket on this one node.
+        assert stats["step_channels_opened"]["socket"] >= 1, stats["step_channels_opened"]
         name = ReplicaID(replica_id, DeploymentID("DecodeServer", app)).to_full_id_str()
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
         endings = [[line for line in lines if line.startswith("data: ")] for _, lines in streams]

@@ -513,6 +513,82 @@ def test_pd_request_the_client_marked_unsampled_is_not_traced(traced_pd):
     assert wait_for_spans(path, trace_id, set(), timeout_s=0) == []
 
 
+@pytest.fixture(scope="module")
+def traced_direct(serve_cluster, tiny_llama_path, tmp_path_factory):
+    """The disaggregated app with short prompts sent from the ingress straight to the decode
+    replica (direct_decode, as serve_config.yaml ships), tracing every request."""
+    from ray import serve
+
+    from app.builder import BuildArgs, build_openai_app
+
+    path = tmp_path_factory.mktemp("traces") / "direct.jsonl"
+    small = {"ray_actor_options": {"num_cpus": 0.05}}
+    app = build_openai_app(
+        BuildArgs(
+            mode="disaggregated",
+            model=str(tiny_llama_path),
+            served_model_name="tiny",
+            max_model_len=256,
+            embedding_model=None,
+            engine_args={"num_kv_blocks": 64},
+            disaggregation={"max_local_prefill_tokens": 128, "direct_decode": True},
+            tracing={"enabled": True, "file": str(path), "export_interval_s": 0.2},
+        ),
+        prefill_options=small,
+        decode_options=small,
+        ingress_options=small,
+    )
+    serve.run(app, name="traceddirect", route_prefix="/traceddirect")
+    try:
+        yield serve_cluster, path
+    finally:
+        serve.delete("traceddirect")
+
+
+DIRECT_ROOT = "POST /traceddirect/v1/chat/completions"
+DIRECT_TREE = {
+    DIRECT_ROOT: (None, "ingress"),
+    "ingress.validate": (DIRECT_ROOT, "ingress"),
+    "ingress.chat_template": (DIRECT_ROOT, "ingress"),
+    "ingress.detokenize_stream": (DIRECT_ROOT, "ingress"),
+    "decode": (DIRECT_ROOT, "decode"),
+    "decode.queue": ("decode", "decode"),
+    "decode.compute": ("decode", "decode"),
+}
+
+
+@pytest.mark.ray
+def test_direct_decode_request_is_traced_from_ingress_to_decode(traced_direct):
+    """A short chat the ingress sends straight to the decode replica: its decode span hangs
+    under the root, and neither the PD router nor a prefill replica appears."""
+    base, path = traced_direct
+    trace_id = "7" * 32
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    response = httpx.post(
+        f"{base}/traceddirect/v1/chat/completions",
+        json=body,
+        headers={"traceparent": f"00-{trace_id}-{PARENT_ID}-01"},
+        timeout=120,
+    )
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 4
+    named = by_name(wait_for_spans(path, trace_id, set(DIRECT_TREE)))
+    assert set(DIRECT_TREE) <= set(named), f"missing {set(DIRECT_TREE) - set(named)}"
+    assert not {"pd_router", "route.decode", "prefill"} & set(named), sorted(named)
+    ids = {span["span_id"]: span for span in named.values()}
+    assert named[DIRECT_ROOT]["parent_span_id"] == PARENT_ID
+    for name, (parent, role) in DIRECT_TREE.items():
+        if parent is not None:
+            assert ids[named[name]["parent_span_id"]]["name"] == parent, name
+        assert named[name]["role"] == role, name
+
+
 def test_colocated_replica_spans_from_the_engine_stamps(trace_file, tiny_llama_path):
     """An LLMServer outside Serve: its request span and the queue and compute spans built from
     the engine's stamps, against the timings the replica reports in its own StepOutputs."""
