@@ -551,6 +551,8 @@ DIRECT_TREE = {
     "ingress.validate": (DIRECT_ROOT, "ingress"),
     "ingress.chat_template": (DIRECT_ROOT, "ingress"),
     "ingress.detokenize_stream": (DIRECT_ROOT, "ingress"),
+    # The ingress's handle on the decode deployment picks the replica (and records why).
+    "route.decode": (DIRECT_ROOT, "ingress"),
     "decode": (DIRECT_ROOT, "decode"),
     "decode.queue": ("decode", "decode"),
     "decode.compute": ("decode", "decode"),
@@ -559,8 +561,8 @@ DIRECT_TREE = {
 
 @pytest.mark.ray
 def test_direct_decode_request_is_traced_from_ingress_to_decode(traced_direct):
-    """A short chat the ingress sends straight to the decode replica: its decode span hangs
-    under the root, and neither the PD router nor a prefill replica appears."""
+    """A short chat the ingress sends straight to the decode replica: its routing and decode
+    spans hang under the root, and neither the PD router nor a prefill replica appears."""
     base, path = traced_direct
     trace_id = "7" * 32
     body = {
@@ -580,7 +582,7 @@ def test_direct_decode_request_is_traced_from_ingress_to_decode(traced_direct):
     assert response.json()["usage"]["completion_tokens"] == 4
     named = by_name(wait_for_spans(path, trace_id, set(DIRECT_TREE)))
     assert set(DIRECT_TREE) <= set(named), f"missing {set(DIRECT_TREE) - set(named)}"
-    assert not {"pd_router", "route.decode", "prefill"} & set(named), sorted(named)
+    assert not {"pd_router", "prefill"} & set(named), sorted(named)
     ids = {span["span_id"]: span for span in named.values()}
     assert named[DIRECT_ROOT]["parent_span_id"] == PARENT_ID
     for name, (parent, role) in DIRECT_TREE.items():
