@@ -357,35 +357,40 @@ PD_TREE = {
 }
 
 
-@pytest.fixture(scope="module")
-def traced_pd(serve_cluster, tiny_llama_path, tmp_path_factory):
-    """The disaggregated app over the tiny Llama (KV through NIXL), tracing every request to a
-    JSON-lines file."""
+def _traced_app(base: str, model: Path, path: Path, name: str, **disaggregation):  # noqa: ANN202
+    """The disaggregated app over the tiny Llama (KV through NIXL) as ``name``, tracing every
+    request to the JSON-lines file ``path``; (base URL, path) while deployed."""
     from ray import serve
 
     from app.builder import BuildArgs, build_openai_app
 
-    path = tmp_path_factory.mktemp("traces") / "traces.jsonl"
     small = {"ray_actor_options": {"num_cpus": 0.05}}
     app = build_openai_app(
         BuildArgs(
             mode="disaggregated",
-            model=str(tiny_llama_path),
+            model=str(model),
             served_model_name="tiny",
             max_model_len=256,
             embedding_model=None,
             engine_args={"num_kv_blocks": 64},
+            disaggregation=disaggregation,
             tracing={"enabled": True, "file": str(path), "export_interval_s": 0.2},
         ),
         prefill_options=small,
         decode_options=small,
         ingress_options=small,
     )
-    serve.run(app, name="traced", route_prefix="/traced")
+    serve.run(app, name=name, route_prefix=f"/{name}")
     try:
-        yield serve_cluster, path
+        yield base, path
     finally:
-        serve.delete("traced")
+        serve.delete(name)
+
+
+@pytest.fixture(scope="module")
+def traced_pd(serve_cluster, tiny_llama_path, tmp_path_factory):
+    path = tmp_path_factory.mktemp("traces") / "traces.jsonl"
+    yield from _traced_app(serve_cluster, tiny_llama_path, path, "traced")
 
 
 def wait_for_spans(path: Path, trace_id: str, names: set[str], timeout_s: float = 30.0) -> list:
@@ -487,26 +492,23 @@ def test_pd_request_is_one_trace_across_every_replica(traced_pd, tiny_llama_path
     assert route["neuron_serve.route.replica"] in route["neuron_serve.route.candidates"]
 
 
+def post_chat(app_url: str, body: dict, trace_id: str, sampled: bool = True) -> httpx.Response:
+    """A chat completion whose client span (``PARENT_ID`` in ``trace_id``) is or is not sampled."""
+    flags = "01" if sampled else "00"
+    headers = {"traceparent": f"00-{trace_id}-{PARENT_ID}-{flags}"}
+    return httpx.post(f"{app_url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+
 @pytest.mark.ray
 def test_pd_request_the_client_marked_unsampled_is_not_traced(traced_pd):
     base, path = traced_pd
     trace_id = "5" * 32
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    response = httpx.post(
-        f"{base}/traced/v1/chat/completions",
-        json=body,
-        headers={"traceparent": f"00-{trace_id}-{PARENT_ID}-00"},
-        timeout=120,
-    )
+    response = post_chat(f"{base}/traced", body, trace_id, sampled=False)
     assert response.status_code == 200
     # A traced request after it: once its spans are written, the unsampled one's would be too.
     traced_id = "6" * 32
-    response = httpx.post(
-        f"{base}/traced/v1/chat/completions",
-        json=body,
-        headers={"traceparent": f"00-{traced_id}-{PARENT_ID}-01"},
-        timeout=120,
-    )
+    response = post_chat(f"{base}/traced", body, traced_id)
     assert response.status_code == 200
     assert wait_for_spans(path, traced_id, {"decode.compute", "prefill.compute"})
     time.sleep(0.5)
@@ -515,34 +517,17 @@ def test_pd_request_the_client_marked_unsampled_is_not_traced(traced_pd):
 
 @pytest.fixture(scope="module")
 def traced_direct(serve_cluster, tiny_llama_path, tmp_path_factory):
-    """The disaggregated app with short prompts sent from the ingress straight to the decode
-    replica (direct_decode, as serve_config.yaml ships), tracing every request."""
-    from ray import serve
-
-    from app.builder import BuildArgs, build_openai_app
-
+    """Short prompts sent from the ingress straight to the decode replica (direct_decode, as
+    serve_config.yaml ships)."""
     path = tmp_path_factory.mktemp("traces") / "direct.jsonl"
-    small = {"ray_actor_options": {"num_cpus": 0.05}}
-    app = build_openai_app(
-        BuildArgs(
-            mode="disaggregated",
-            model=str(tiny_llama_path),
-            served_model_name="tiny",
-            max_model_len=256,
-            embedding_model=None,
-            engine_args={"num_kv_blocks": 64},
-            disaggregation={"max_local_prefill_tokens": 128, "direct_decode": True},
-            tracing={"enabled": True, "file": str(path), "export_interval_s": 0.2},
-        ),
-        prefill_options=small,
-        decode_options=small,
-        ingress_options=small,
+    yield from _traced_app(
+        serve_cluster,
+        tiny_llama_path,
+        path,
+        "traceddirect",
+        max_local_prefill_tokens=128,
+        direct_decode=True,
     )
-    serve.run(app, name="traceddirect", route_prefix="/traceddirect")
-    try:
-        yield serve_cluster, path
-    finally:
-        serve.delete("traceddirect")
 
 
 DIRECT_ROOT = "POST /traceddirect/v1/chat/completions"
@@ -572,12 +557,7 @@ def test_direct_decode_request_is_traced_from_ingress_to_decode(traced_direct):
         "ignore_eos": True,
         "temperature": 0.0,
     }
-    response = httpx.post(
-        f"{base}/traceddirect/v1/chat/completions",
-        json=body,
-        headers={"traceparent": f"00-{trace_id}-{PARENT_ID}-01"},
-        timeout=120,
-    )
+    response = post_chat(f"{base}/traceddirect", body, trace_id)
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] == 4
     named = by_name(wait_for_spans(path, trace_id, set(DIRECT_TREE)))
