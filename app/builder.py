@@ -507,14 +507,13 @@ def build_openai_app(
         "profiler": args.profiler.model_dump(),
         "serving_threads_nice": args.serving_threads_nice,
     }
-    if decode is not None and args.disaggregation.direct_decode:
+    direct = args.mode == "disaggregated" and args.disaggregation.direct_decode
+    if direct:
         config["direct_decode_max_prompt_tokens"] = args.disaggregation.max_local_prefill_tokens
-    else:
-        decode = None
     return (
         as_deployment(OpenAIIngress)
         .options(**(ingress_options or {}))
-        .bind(llm, embedder, config, decode)
+        .bind(llm, embedder, config, decode if direct else None)
     )
 
 

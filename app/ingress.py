@@ -127,7 +127,7 @@ class OpenAIIngress:
         min_requests = 2 if self.config.step_channels else None
         self.steps = StepSubscriber(self.llm_stream, "ingress", min_requests, node)
         # Requests sent straight to decode replicas (IngressConfig.direct_decode_max_prompt_tokens).
-        self.decode_steps = None
+        self.decode_steps: StepSubscriber | None = None
         if decode is not None:
             self.decode_steps = StepSubscriber(
                 decode.options(stream=True), "ingress-decode", min_requests, node

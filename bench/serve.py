@@ -416,6 +416,7 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
     from app.builder import BuildArgs, DisaggregationArgs, build_openai_app
 
     mode, transport, path, step_channels, batching_ms = CONFIGS[name]
+    direct = [value for suffix, value in DIRECT_DECODE.items() if suffix in name]
     options = deployment_options(path)
     if name.endswith(THROUGHPUT_OPTIMIZED):
         for option in options.values():
@@ -445,7 +446,7 @@ def deploy(name: str, args: argparse.Namespace, port: int) -> str:
                 "kv_transport": transport.removesuffix("-via-router"),
                 "kv_decode_first": not transport.endswith("-via-router"),
                 **({"max_local_prefill_tokens": 0} if name.endswith(ALL_REMOTE) else {}),
-                **dict(("direct_decode", v) for k, v in DIRECT_DECODE.items() if k in name),
+                **({"direct_decode": direct[0]} if direct else {}),
                 **(
                     {"max_prefill_queue": int(queue[1])}
                     if (queue := PREFILL_QUEUE.search(name))

@@ -241,21 +241,20 @@ class PDRouter:
                     await _close_opening(opening)
                 raise
             del result
+
         # A decode replica lost mid-stream: the request resumes on another one, which
         # recomputes prompt + the tokens passed on so far (no handoff, resume_token_ids).
-        resumable = _decode_request(request)
-
         async def reopen(resume_tokens: list[int], attempt: int) -> AsyncIterator[StepOutput]:
             suffix = f".m{attempt}" if attempt else ""
             resumed = dataclasses.replace(
-                resumable,
+                request,
                 request_id=f"{request.request_id}{suffix}",
                 resume_token_ids=resume_tokens,
                 # No token yet (prefilled at decode, or lost before its first): all of it,
                 # prompt logprobs included.
-                sampling=resumable.sampling if resume_tokens else request.sampling,
+                sampling=resume_sampling(request.sampling) if resume_tokens else request.sampling,
             )
-            return await self._open_decode(resumed)
+            return await self._open_decode(DecodeRequest.whole(resumed))
 
         self.num_kv_refs_held += 1
         try:
