@@ -28,12 +28,21 @@ class ModelConfig:
     # weights and inputs to bf16 and sums in fp32 (the CPU kernels, where the CPU has
     # AVX512_BF16); everything else stays fp32.
     dtype: str = "float32"
+    # What the KV cache stores keys and values in (DTYPES): "bfloat16" rounds them once, as
+    # they are written (attention reads them back widened to fp32 and sums in fp32), and
+    # halves the cache's bytes. Part of the KV a prefill hands to a decode engine.
+    kv_cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(DTYPES)} (or 'auto' in EngineArgs), "
+                f"got {self.kv_cache_dtype!r}"
+            )
 
     @property
     def architecture(self) -> str:

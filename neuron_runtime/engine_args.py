@@ -69,9 +69,13 @@ class EngineArgs:
     # kernels (backends/cpu_ops.py; one process on the CPU, other tensor types fp32).
     quantization: str | None = None
     # What the linear layers and the logits head compute in: "float32" (the reference), or
-    # "bfloat16" (weights and their inputs rounded to bf16, fp32 sums; norms, attention and
-    # the KV cache stay fp32): on the CPU kernels where the CPU has AVX512_BF16, eager only.
+    # "bfloat16" (weights and their inputs rounded to bf16, fp32 sums; norms and attention
+    # stay fp32): on the CPU kernels where the CPU has AVX512_BF16, eager only.
     dtype: str = "float32"
+    # What the KV cache holds: "auto" (dtype's: a bfloat16 engine keeps a bfloat16 cache, as
+    # vLLM's "auto" does), "float32" or "bfloat16" (any device and path: stored rounded,
+    # read back widened to fp32; half the bytes per token, so twice the tokens per budget).
+    kv_cache_dtype: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
@@ -88,6 +92,7 @@ class EngineArgs:
             max_model_len=self.max_model_len or limit,
             name=self.model,
             dtype=self.dtype,  # its one check of the name; _check_dtype_path below
+            kv_cache_dtype=self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
         )
         self._check_dtype_path()
         parallel = ParallelConfig(
@@ -196,7 +201,7 @@ class EngineArgs:
         auto = self.kv_cache_memory_bytes is None and self.num_kv_blocks is None
         return plan_kv_cache(
             bytes_per_token=kv_bytes_per_token(
-                model.num_layers, model.num_kv_heads, model.head_dim
+                model.num_layers, model.num_kv_heads, model.head_dim, model.kv_cache_dtype
             ),
             block_size=self.block_size,
             model_limit=limit,

@@ -26,22 +26,26 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from neuron_runtime.config import EngineConfig
+from neuron_runtime.kv_layout import DTYPE_BYTES
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024  # the default budget's floor
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
-_DTYPE_BYTES = 4  # the engine keeps weights and KV in float32
+_DTYPE_BYTES = 4  # the engine loads weights in float32
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes of K and V that one token takes across all layers."""
-    return 2 * num_layers * num_kv_heads * head_dim * _DTYPE_BYTES
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = "float32"
+) -> int:
+    """Bytes of K and V that one token takes across all layers, in a cache of ``dtype``."""
+    return 2 * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
 def kv_bytes_per_block(config: EngineConfig) -> int:
     m = config.model
-    return kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim) * config.cache.block_size
+    per_token = kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.kv_cache_dtype)
+    return per_token * config.cache.block_size
 
 
 def num_kv_blocks(config: EngineConfig) -> int:

@@ -46,8 +46,10 @@ class KVTransferError(ValueError):
 
 def model_fingerprint(model: ModelConfig) -> str:
     """Names the weights' architecture and shapes: sha256 of the model's config.json contents,
-    and the dtype its linear layers compute in where that is not fp32 (their KV differs)."""
-    config = model.hf_config if model.dtype == "float32" else [model.hf_config, model.dtype]
+    and, where either is not fp32, the dtype its linear layers compute in and the one its KV
+    cache holds (their KV differs)."""
+    dtypes = [model.dtype, model.kv_cache_dtype]
+    config = model.hf_config if dtypes == ["float32"] * 2 else [model.hf_config, *dtypes]
     text = json.dumps(config, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

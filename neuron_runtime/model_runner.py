@@ -152,10 +152,11 @@ class ModelRunner:
         self.kv_heads = local_kv_heads(m.text_config["num_attention_heads"], m.num_kv_heads)
         num_kv_heads = self.kv_heads.stop - self.kv_heads.start
         shape = (num_kv_heads, self.num_blocks + extra, self.block_size, m.head_dim)
+        self.kv_dtype: torch.dtype = getattr(torch, m.kv_cache_dtype)
         self.kv_caches = [
             (
-                torch.zeros(shape, device=self.device),
-                torch.zeros(shape, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
             for _ in range(m.num_layers)
         ]
@@ -193,7 +194,8 @@ class ModelRunner:
     def export_kv(self, block_table: list[int], num_tokens: int) -> np.ndarray:
         """Copies the KV of a sequence's first ``num_tokens`` tokens out of the cache.
 
-        Returns [2, num_layers, num_kv_heads, num_tokens, head_dim] float32 (kv_transfer.py).
+        Returns [2, num_layers, num_kv_heads, num_tokens, head_dim] float32 (kv_transfer.py):
+        a bfloat16 cache's values exactly, which ``import_kv`` stores back without rounding.
         """
         slots = self._slots(block_table, num_tokens)
         layers = []
@@ -203,7 +205,7 @@ class ModelRunner:
             k = k_cache.view(kvh, flat, d).index_select(1, slots)  # [kvh, T, d]
             v = v_cache.view(kvh, flat, d).index_select(1, slots)
             layers.append(torch.stack((k, v)))  # [2, kvh, T, d]
-        return torch.stack(layers, dim=1).cpu().numpy()
+        return torch.stack(layers, dim=1).float().cpu().numpy()
 
     @torch.inference_mode()
     def import_kv(self, block_table: list[int], payload: KVPayload) -> None:
@@ -213,7 +215,7 @@ class ModelRunner:
             # A read-only view of shared memory (Ray's object store): torch only reads it.
             warnings.simplefilter("ignore", UserWarning)
             # [2, L, kvh, T, d]: this rank's heads of the model's
-            kv = torch.from_numpy(payload.kv[:, :, self.kv_heads]).to(self.device)
+            kv = torch.from_numpy(payload.kv[:, :, self.kv_heads]).to(self.device, self.kv_dtype)
         for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
             kvh, num_blocks, bs, d = k_cache.shape
             k_cache.view(kvh, num_blocks * bs, d).index_copy_(1, slots, kv[0, layer])

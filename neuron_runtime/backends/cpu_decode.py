@@ -74,6 +74,7 @@ _SIZES = (
     "num_blocks",
     "block_size",
     "rope_positions",
+    "kv_bf16",
 )
 
 
@@ -196,6 +197,7 @@ class DecodeStep:
             num_blocks=num_blocks,
             block_size=block_size,
             rope_positions=rotary.cos.shape[0],
+            kv_bf16=int(kv_caches[0][0].dtype == torch.bfloat16),
             eps=inner.norm.eps,
             scale=first.scale,
             embed=self._tensor(inner.embed_tokens, "weight"),

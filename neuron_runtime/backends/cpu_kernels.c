@@ -1014,12 +1014,37 @@ void rotary_in_place(float *x, const float *cos, const float *sin, int64_t rows,
     parallel_for(rotary_rows, &job, rows, row_grain(rows, heads * d + d));
 }
 
+/*
+ * A KV cache holds fp32 elements or, with `bf16` set, bf16 ones: the upper half of an fp32,
+ * rounded to nearest even on the way in, as torch's .to(torch.bfloat16) rounds (NaN stays a
+ * NaN). Reading one back is exact: its 16 bits shifted up.
+ */
+static inline uint16_t bf16_of(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float float_of_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof(x));
+    return x;
+}
+
+/* The address of element `i` of a cache of fp32 or bf16 elements. */
+static inline const void *kv_at(const void *cache, int64_t i, int bf16) {
+    return (const char *)cache + i * (bf16 ? 2 : 4);
+}
+
 struct kv_job {
     const float *k, *v;
     int64_t k_stride, v_stride;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
     const int64_t *slots;
     int64_t kv_heads, d, cache_slots;
+    int bf16;
 };
 
 static void kv_rows(const void *ctx, int64_t begin, int64_t end) {
@@ -1028,21 +1053,31 @@ static void kv_rows(const void *ctx, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) {
         for (int64_t h = 0; h < j->kv_heads; h++) {
             const int64_t dst = (h * j->cache_slots + j->slots[r]) * d;
-            memcpy(j->k_cache + dst, j->k + r * j->k_stride + h * d, sizeof(float) * (size_t)d);
-            memcpy(j->v_cache + dst, j->v + r * j->v_stride + h * d, sizeof(float) * (size_t)d);
+            const float *k = j->k + r * j->k_stride + h * d, *v = j->v + r * j->v_stride + h * d;
+            if (j->bf16) {
+                uint16_t *kc = (uint16_t *)j->k_cache + dst, *vc = (uint16_t *)j->v_cache + dst;
+                for (int64_t i = 0; i < d; i++) {
+                    kc[i] = bf16_of(k[i]);
+                    vc[i] = bf16_of(v[i]);
+                }
+            } else {
+                memcpy((float *)j->k_cache + dst, k, sizeof(float) * (size_t)d);
+                memcpy((float *)j->v_cache + dst, v, sizeof(float) * (size_t)d);
+            }
         }
     }
 }
 
 /*
  * Stores each row's keys and values (rows of `kv_heads` heads at row strides `k_stride`,
- * `v_stride`) into the caches [kv_heads, cache_slots, d] at that row's flat slot.
+ * `v_stride`) into the caches [kv_heads, cache_slots, d] (fp32, or bf16 when `bf16`) at that
+ * row's flat slot.
  */
 void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-              float *k_cache, float *v_cache, const int64_t *slots, int64_t rows,
-              int64_t kv_heads, int64_t d, int64_t cache_slots) {
+              void *k_cache, void *v_cache, const int64_t *slots, int64_t rows,
+              int64_t kv_heads, int64_t d, int64_t cache_slots, int64_t bf16) {
     const struct kv_job job = {k, v, k_stride, v_stride, k_cache, v_cache, slots, kv_heads, d,
-                               cache_slots};
+                               cache_slots, bf16 != 0};
     parallel_for(kv_rows, &job, rows, row_grain(rows, 4 * kv_heads * d));
 }
 
@@ -1050,7 +1085,7 @@ void write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride
  * One new token per sequence attending over its paged cache.
  *
  * q:            [n, heads, d] at row stride q_stride (floats)
- * k/v cache:    [kv_heads, num_blocks, block_size, d]
+ * k/v cache:    [kv_heads, num_blocks, block_size, d], fp32 or (bf16 set) bf16 elements
  * block_tables: [n, max_blocks]; context_lens: [n], the new token's own key included
  * out:          [n, heads, d] contiguous
  *
@@ -1088,13 +1123,31 @@ static inline float lane_sum(attn_vec v) {
 }
 #endif
 
+/* AW cache elements from element i of p (fp32, or bf16 widened to fp32). */
+static inline __attribute__((always_inline)) attn_vec kv_vec(const void *p, int64_t i, int bf16) {
+    if (!bf16) return *(const attn_vecu *)((const float *)p + i);
+    const uint16_t *h = (const uint16_t *)p + i;
+#if defined(__AVX512F__)
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h));
+    return (attn_vec)_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+#elif defined(__AVX2__)
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h));
+    return (attn_vec)_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+#else
+    attn_vec v;
+    for (int l = 0; l < AW; l++) v[l] = float_of_bf16(h[l]);
+    return v;
+#endif
+}
+
 /*
  * Asks for 64-byte lines first .. first + count - 1 (below end) of p into L2. A fetch into L2
  * (locality 1) does not hold one of L1's few miss buffers while it waits on memory, so many
  * more lines are in flight at once: 1.4-1.6x the bandwidth of an L1 fetch on long contexts.
  */
-static inline void prefetch_lines(const float *p, int64_t first, int64_t count, int64_t end) {
-    for (int64_t l = first; l < first + count && l < end; l++) __builtin_prefetch(p + 16 * l, 0, 1);
+static inline void prefetch_lines(const void *p, int64_t first, int64_t count, int64_t end) {
+    for (int64_t l = first; l < first + count && l < end; l++)
+        __builtin_prefetch((const char *)p + 64 * l, 0, 1);
 }
 
 /*
@@ -1103,15 +1156,15 @@ static inline void prefetch_lines(const float *p, int64_t first, int64_t count, 
  */
 #define KEYS_AT_ONCE 4
 
-static inline __attribute__((always_inline)) void key_scores(const float *qg, const float *k,
-                                                             int64_t d, int vecs, int n,
+static inline __attribute__((always_inline)) void key_scores(const float *qg, const void *k,
+                                                             int64_t d, int vecs, int n, int bf16,
                                                              float scale, float softcap,
                                                              float *out) {
     attn_vec sum[KEYS_AT_ONCE];
-    for (int i = 0; i < n; i++) sum[i] = *(const attn_vecu *)qg * *(const attn_vec *)(k + i * d);
+    for (int i = 0; i < n; i++) sum[i] = *(const attn_vecu *)qg * kv_vec(k, i * d, bf16);
     for (int v = 1; v < vecs; v++) {
         const attn_vec q = *(const attn_vecu *)(qg + AW * v);
-        for (int i = 0; i < n; i++) sum[i] += q * *(const attn_vec *)(k + i * d + AW * v);
+        for (int i = 0; i < n; i++) sum[i] += q * kv_vec(k, i * d + AW * v, bf16);
     }
     for (int i = 0; i < n; i++) {
         float dot = lane_sum(sum[i]) * scale;
@@ -1126,14 +1179,14 @@ static inline __attribute__((always_inline)) void key_scores(const float *qg, co
  */
 #define VALUE_VECS 4
 
-static inline __attribute__((always_inline)) void add_values(const float *p, const float *val,
+static inline __attribute__((always_inline)) void add_values(const float *p, const void *val,
                                                              int64_t keys, int64_t d, int n,
-                                                             float *o) {
+                                                             int bf16, float *o) {
     attn_vec acc[VALUE_VECS];
     for (int i = 0; i < n; i++) acc[i] = *(const attn_vecu *)(o + AW * i);
     for (int64_t t = 0; t < keys; t++) {
         const float pt = p[t];
-        for (int i = 0; i < n; i++) acc[i] += pt * *(const attn_vec *)(val + t * d + AW * i);
+        for (int i = 0; i < n; i++) acc[i] += pt * kv_vec(val, t * d + AW * i, bf16);
     }
     for (int i = 0; i < n; i++) *(attn_vecu *)(o + AW * i) = acc[i];
 }
@@ -1149,10 +1202,10 @@ static inline __attribute__((always_inline)) void add_values(const float *p, con
  * first block (NULL for none).
  */
 static inline __attribute__((always_inline)) void attend_kv_head(
-    const float *qh, const float *kh, const float *vh, const int64_t *table, int64_t first,
-    int64_t ctx, int64_t block_size, int64_t group, int vecs, float scale, float softcap,
-    const float *after_k, const float *after_v, int64_t after_lines, float *scores, float *top,
-    float *total, float *out) {
+    const float *qh, const void *kh, const void *vh, const int64_t *table, int64_t first,
+    int64_t ctx, int64_t block_size, int64_t group, int vecs, int bf16, float scale,
+    float softcap, const void *after_k, const void *after_v, int64_t after_lines, float *scores,
+    float *top, float *total, float *out) {
     const int64_t d = (int64_t)vecs * AW;
     for (int64_t g = 0; g < group; g++) {
         total[g] = 0.0f;
@@ -1162,16 +1215,16 @@ static inline __attribute__((always_inline)) void attend_kv_head(
         const int64_t offset = j % block_size;
         const int64_t keys = (ctx < j - offset + block_size ? ctx : j - offset + block_size) - j;
         const int64_t row = (table[j / block_size] * block_size + offset) * d;
-        const float *k = kh + row, *val = vh + row;
+        const void *k = kv_at(kh, row, bf16), *val = kv_at(vh, row, bf16);
         /* Blocks lie anywhere in the cache, and the hardware does not stream from one block
          * into another: each key scored here fetches a share of the next block's lines. */
-        const float *next_k = after_k, *next_v = after_v;
+        const void *next_k = after_k, *next_v = after_v;
         int64_t lines = after_lines;
         if (j + keys < ctx) {
             const int64_t next_row = table[j / block_size + 1] * block_size * d;
-            next_k = kh + next_row;
-            next_v = vh + next_row;
-            lines = block_size * d / 16;
+            next_k = kv_at(kh, next_row, bf16);
+            next_v = kv_at(vh, next_row, bf16);
+            lines = block_size * d * (bf16 ? 2 : 4) / 64;
         }
         const int64_t share = (lines + keys - 1) / keys;
         for (int64_t t = 0; t < keys;) {  /* scores[g][t] = q_g . k_t */
@@ -1183,12 +1236,13 @@ static inline __attribute__((always_inline)) void attend_kv_head(
             for (int64_t g = 0; g < group; g++) {
                 float *out_scores = scores + g * block_size + t;
                 if (n == KEYS_AT_ONCE)
-                    key_scores(qh + g * d, k, d, vecs, KEYS_AT_ONCE, scale, softcap, out_scores);
+                    key_scores(qh + g * d, k, d, vecs, KEYS_AT_ONCE, bf16, scale, softcap,
+                               out_scores);
                 else
-                    key_scores(qh + g * d, k, d, vecs, 1, scale, softcap, out_scores);
+                    key_scores(qh + g * d, k, d, vecs, 1, bf16, scale, softcap, out_scores);
             }
             t += n;
-            k += n * d;
+            k = kv_at(k, n * d, bf16);
         }
         for (int64_t g = 0; g < group; g++) {  /* scores -> exp(score - running max) */
             float *sc = scores + g * block_size;
@@ -1212,8 +1266,8 @@ static inline __attribute__((always_inline)) void attend_kv_head(
             float *o = out + g * d;
             int v = 0;
             for (; v + VALUE_VECS <= vecs; v += VALUE_VECS)
-                add_values(p, val + AW * v, keys, d, VALUE_VECS, o + AW * v);
-            for (; v < vecs; v++) add_values(p, val + AW * v, keys, d, 1, o + AW * v);
+                add_values(p, kv_at(val, AW * v, bf16), keys, d, VALUE_VECS, bf16, o + AW * v);
+            for (; v < vecs; v++) add_values(p, kv_at(val, AW * v, bf16), keys, d, 1, bf16, o + AW * v);
         }
         j += keys;
     }
@@ -1224,16 +1278,21 @@ static inline __attribute__((always_inline)) void attend_kv_head(
 }
 
 /* The same for any head size: plain loops over d. */
-static void attend_kv_head_any(const float *qh, const float *kh, const float *vh,
+/* Element i of a cache of fp32 or bf16 elements. */
+static inline float kv_get(const void *cache, int64_t i, int bf16) {
+    return bf16 ? float_of_bf16(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+}
+
+static void attend_kv_head_any(const float *qh, const void *kh, const void *vh,
                                const int64_t *table, int64_t first, int64_t ctx,
-                               int64_t block_size, int64_t group, int64_t d, float scale,
-                               float softcap, float *scores, float *out) {
+                               int64_t block_size, int64_t group, int64_t d, int bf16,
+                               float scale, float softcap, float *scores, float *out) {
     const int64_t len = ctx - first;
     for (int64_t j = first; j < ctx; j++) {
-        const float *k = kh + (table[j / block_size] * block_size + j % block_size) * d;
+        const int64_t k = (table[j / block_size] * block_size + j % block_size) * d;
         for (int64_t g = 0; g < group; g++) {
             float dot = 0.0f;
-            for (int64_t i = 0; i < d; i++) dot += qh[g * d + i] * k[i];
+            for (int64_t i = 0; i < d; i++) dot += qh[g * d + i] * kv_get(kh, k + i, bf16);
             dot *= scale;
             if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
             scores[g * len + (j - first)] = dot;
@@ -1252,9 +1311,10 @@ static void attend_kv_head_any(const float *qh, const float *kh, const float *vh
     }
     memset(out, 0, sizeof(float) * (size_t)(group * d));
     for (int64_t j = first; j < ctx; j++) {
-        const float *val = vh + (table[j / block_size] * block_size + j % block_size) * d;
+        const int64_t val = (table[j / block_size] * block_size + j % block_size) * d;
         for (int64_t g = 0; g < group; g++)
-            for (int64_t i = 0; i < d; i++) out[g * d + i] += scores[g * len + (j - first)] * val[i];
+            for (int64_t i = 0; i < d; i++)
+                out[g * d + i] += scores[g * len + (j - first)] * kv_get(vh, val + i, bf16);
     }
 }
 
@@ -1264,73 +1324,88 @@ static inline int64_t first_key(int64_t ctx, int64_t window) {
 }
 
 struct attention_job {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;
     const int64_t *block_tables, *context_lens;
     float *out;
     int64_t q_stride, n, heads, kv_heads, d, block_size, max_blocks, head_stride, score_len;
     float scale, softcap;
     int64_t window;
+    int bf16;
 };
+
+/* One (sequence, KV head) pair; bf16 is a constant in each caller. */
+static inline __attribute__((always_inline)) void attend_pair(const struct attention_job *j,
+                                                              int64_t t, int64_t end, int bf16,
+                                                              float *scores) {
+    const int64_t kv_heads = j->kv_heads, d = j->d, block_size = j->block_size;
+    const int64_t group = j->heads / kv_heads;
+    float *top = scores + group * j->score_len, *total = top + group;
+    const int64_t b = t / kv_heads, h = t % kv_heads;
+    const int64_t ctx_len = j->context_lens[b];
+    const int64_t first = first_key(ctx_len, j->window);
+    const int64_t *table = j->block_tables + b * j->max_blocks;
+    const float *qh = j->q + b * j->q_stride + h * group * d;
+    const void *kh = kv_at(j->k_cache, h * j->head_stride, bf16);
+    const void *vh = kv_at(j->v_cache, h * j->head_stride, bf16);
+    float *o = j->out + (b * j->heads + h * group) * d;
+    /* The (sequence, KV head) this thread takes next, whose first block this one's last
+     * block fetches: no hardware stream carries over from one to the next. */
+    const void *after_k = NULL, *after_v = NULL;
+    int64_t after_lines = 0;
+    if (t + 1 < end) {
+        const int64_t nb = (t + 1) / kv_heads, nh = (t + 1) % kv_heads;
+        const int64_t nctx = j->context_lens[nb], nfirst = first_key(nctx, j->window);
+        const int64_t skip = nfirst % block_size;
+        const int64_t keys = nctx - nfirst < block_size - skip ? nctx - nfirst
+                                                               : block_size - skip;
+        const int64_t row = (j->block_tables[nb * j->max_blocks + nfirst / block_size] *
+                             block_size + skip) * d + nh * j->head_stride;
+        after_k = kv_at(j->k_cache, row, bf16);
+        after_v = kv_at(j->v_cache, row, bf16);
+        after_lines = keys * d * (bf16 ? 2 : 4) / 64;
+    }
+    /* Head sizes of whole vectors take the vector kernel, the common ones with a
+     * constant size. */
+    if (d == 64)
+        attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, 64 / AW, bf16,
+                       j->scale, j->softcap, after_k, after_v, after_lines, scores, top, total,
+                       o);
+    else if (d == 128)
+        attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, 128 / AW, bf16,
+                       j->scale, j->softcap, after_k, after_v, after_lines, scores, top, total,
+                       o);
+    else if (d % 16 == 0)
+        attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, (int)(d / AW),
+                       bf16, j->scale, j->softcap, after_k, after_v, after_lines, scores, top,
+                       total, o);
+    else
+        attend_kv_head_any(qh, kh, vh, table, first, ctx_len, block_size, group, d, bf16,
+                           j->scale, j->softcap, scores, o);
+}
 
 /* Task t: sequence t / kv_heads, KV head t % kv_heads. */
 static void attention_pairs(const void *ctx, int64_t begin, int64_t end) {
     const struct attention_job *j = ctx;
-    const int64_t kv_heads = j->kv_heads, d = j->d, block_size = j->block_size;
-    const int64_t group = j->heads / kv_heads;
+    const int64_t group = j->heads / j->kv_heads;
     float *scores = malloc(sizeof(float) * (size_t)(group * (j->score_len + 2)));
     if (scores == NULL) abort();
-    float *top = scores + group * j->score_len, *total = top + group;
     for (int64_t t = begin; t < end; t++) {
-        const int64_t b = t / kv_heads, h = t % kv_heads;
-        const int64_t ctx_len = j->context_lens[b];
-        const int64_t first = first_key(ctx_len, j->window);
-        const int64_t *table = j->block_tables + b * j->max_blocks;
-        const float *qh = j->q + b * j->q_stride + h * group * d;
-        const float *kh = j->k_cache + h * j->head_stride, *vh = j->v_cache + h * j->head_stride;
-        float *o = j->out + (b * j->heads + h * group) * d;
-        /* The (sequence, KV head) this thread takes next, whose first block this one's last
-         * block fetches: no hardware stream carries over from one to the next. */
-        const float *after_k = NULL, *after_v = NULL;
-        int64_t after_lines = 0;
-        if (t + 1 < end) {
-            const int64_t nb = (t + 1) / kv_heads, nh = (t + 1) % kv_heads;
-            const int64_t nctx = j->context_lens[nb], nfirst = first_key(nctx, j->window);
-            const int64_t skip = nfirst % block_size;
-            const int64_t keys = nctx - nfirst < block_size - skip ? nctx - nfirst
-                                                                   : block_size - skip;
-            const int64_t row = (j->block_tables[nb * j->max_blocks + nfirst / block_size] *
-                                 block_size + skip) * d + nh * j->head_stride;
-            after_k = j->k_cache + row;
-            after_v = j->v_cache + row;
-            after_lines = keys * d / 16;
-        }
-        /* Head sizes of whole vectors take the vector kernel, the common ones with a
-         * constant size; cache rows are then 64-byte aligned. */
-        if (d == 64)
-            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, 64 / AW,
-                           j->scale, j->softcap, after_k, after_v, after_lines, scores, top,
-                           total, o);
-        else if (d == 128)
-            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, 128 / AW,
-                           j->scale, j->softcap, after_k, after_v, after_lines, scores, top,
-                           total, o);
-        else if (d % 16 == 0)
-            attend_kv_head(qh, kh, vh, table, first, ctx_len, block_size, group, (int)(d / AW),
-                           j->scale, j->softcap, after_k, after_v, after_lines, scores, top,
-                           total, o);
+        if (j->bf16)
+            attend_pair(j, t, end, 1, scores);
         else
-            attend_kv_head_any(qh, kh, vh, table, first, ctx_len, block_size, group, d,
-                               j->scale, j->softcap, scores, o);
+            attend_pair(j, t, end, 0, scores);
     }
     free(scores);
 }
 
 /* Threads split the (sequence, KV head) pairs; each pair is computed as on one thread. */
-void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
-                            const float *v_cache, const int64_t *block_tables,
+void paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
+                            const void *v_cache, const int64_t *block_tables,
                             const int64_t *context_lens, float *out, int64_t n, int64_t heads,
                             int64_t kv_heads, int64_t d, int64_t num_blocks, int64_t block_size,
-                            int64_t max_blocks, float scale, int64_t window, float softcap) {
+                            int64_t max_blocks, float scale, int64_t window, float softcap,
+                            int64_t bf16) {
     int64_t max_ctx = 0;
     for (int64_t b = 0; b < n; b++)
         if (context_lens[b] > max_ctx) max_ctx = context_lens[b];
@@ -1339,7 +1414,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cac
     const struct attention_job job = {
         q, k_cache, v_cache, block_tables, context_lens, out, q_stride, n, heads, kv_heads, d,
         block_size, max_blocks, num_blocks * block_size * d /* one KV head's whole cache */,
-        score_len, scale, softcap, window};
+        score_len, scale, softcap, window, bf16 != 0};
     parallel_for(attention_pairs, &job, n * kv_heads, grain_for(n * kv_heads, 1));
 }
 
@@ -1407,14 +1482,14 @@ struct step_linear {
 struct step_layer {
     const float *input_norm, *post_norm;
     struct step_linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [kv_heads, num_blocks, block_size, d] */
+    void *k_cache, *v_cache; /* [kv_heads, num_blocks, block_size, d], fp32 or bf16 */
     int64_t window;           /* 0: every key */
     double softcap;           /* 0: none */
 };
 
 struct step_model {
     int64_t num_layers, vocab, hidden, heads, kv_heads, head_dim, inter;
-    int64_t num_blocks, block_size, rope_positions;
+    int64_t num_blocks, block_size, rope_positions, kv_bf16;
     double eps, scale;
     const float *embed;               /* [vocab, hidden] */
     const float *rope_cos, *rope_sin; /* [rope_positions, head_dim / 2] */
@@ -1472,10 +1547,11 @@ int64_t decode_step(const struct step_model *m, int64_t rows, const int64_t *ids
         rotary_in_place(m->qkv, m->cos, m->sin, rows, m->heads + m->kv_heads, qkv_width, d);
         const float *k = m->qkv + m->heads * d, *v = k + m->kv_heads * d;
         write_kv(k, qkv_width, v, qkv_width, l->k_cache, l->v_cache, slots, rows, m->kv_heads, d,
-                 m->num_blocks * m->block_size);
+                 m->num_blocks * m->block_size, m->kv_bf16);
         paged_decode_attention(m->qkv, qkv_width, l->k_cache, l->v_cache, tables, lens, m->attn,
                                rows, m->heads, m->kv_heads, d, m->num_blocks, m->block_size,
-                               table_width, (float)m->scale, l->window, (float)l->softcap);
+                               table_width, (float)m->scale, l->window, (float)l->softcap,
+                               m->kv_bf16);
         if ((status = step_linear(&l->o, m->attn, m->out, rows))) break;
         add_rms_norm(m->residual, m->out, l->post_norm, m->normed, rows, h, eps);
         if ((status = step_linear(&l->gate_up, m->normed, m->mlp, rows))) break;

@@ -44,10 +44,10 @@ _SIGNATURES = {
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_and_mul": [_ptr, _ptr, _i64, _i64],
     "rotary_in_place": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
-    "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
+    "write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
     "paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
     + [_i64] * 7
-    + [_f32, _i64, _f32],
+    + [_f32, _i64, _f32, _i64],
     "argmax_rows": [_ptr, _i64, _i64, _ptr],
     "set_num_threads": [_i64],
 }
@@ -73,6 +73,9 @@ def _build(compiler: str, target: Path) -> None:
             subprocess.run(cmd, check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
         os.replace(lib, target)
 
+
+# The element types the kernels read and write KV caches in.
+KV_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 QBLOCK = 32  # inputs per GGUF block (Q4_1, Q8_0)
 # GGUF block bytes and packed record bytes per (panel, k-block), as in cpu_kernels.c.
@@ -308,14 +311,15 @@ class CPUKernels:
         self,
         k: torch.Tensor,  # [T, kvh, d], rows may be strided
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [kvh, num_blocks, block_size, d]
+        k_cache: torch.Tensor,  # [kvh, num_blocks, block_size, d] float32 or bfloat16
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [T] long
     ) -> None:
-        """Stores this step's keys and values at their flat cache slots."""
+        """Stores this step's keys and values at their flat cache slots (rounded to nearest
+        even into a bfloat16 cache, as ``Tensor.to`` rounds)."""
         rows, kv_heads, d = k.shape
         for t in (k, v):
-            assert t.stride(2) == 1 and t.stride(1) == d
+            assert t.stride(2) == 1 and t.stride(1) == d and t.dtype == torch.float32
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
         assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
         self._lib.write_kv(
@@ -330,12 +334,13 @@ class CPUKernels:
             kv_heads,
             d,
             k_cache.shape[1] * k_cache.shape[2],
+            _cache_bf16(k_cache, v_cache),
         )
 
     def decode_attention(
         self,
         q: torch.Tensor,  # [n, heads, d], rows may be strided
-        k_cache: torch.Tensor,  # [kvh, num_blocks, block_size, d]
+        k_cache: torch.Tensor,  # [kvh, num_blocks, block_size, d] float32 or bfloat16
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,  # [n, max_blocks] long
         context_lens: torch.Tensor,  # [n] long
@@ -369,6 +374,7 @@ class CPUKernels:
             scale,
             sliding_window or 0,
             softcap or 0.0,
+            _cache_bf16(k_cache, v_cache),
         )
         return out
 
@@ -398,6 +404,12 @@ def default_num_threads() -> int:
     """The cores this process may run on (its CPU affinity), the size of an engine's pools
     when nothing sized them (a serving replica sizes them from its CPU allotment)."""
     return len(os.sched_getaffinity(0))
+
+
+def _cache_bf16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The kernels' cache format: 1 for bfloat16 elements, 0 for float32."""
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_CACHE_DTYPES
+    return int(k_cache.dtype == torch.bfloat16)
 
 
 @functools.cache

@@ -148,15 +148,25 @@ class AttentionMetadata(StepMetadata):
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
-    """Stores ``x`` [T, kvh, d] into ``cache`` [kvh, num_blocks, block_size, d]."""
+    """Stores ``x`` [T, kvh, d] into ``cache`` [kvh, num_blocks, block_size, d], in the cache's
+    dtype (a bfloat16 cache rounds to nearest even)."""
     kvh, num_blocks, block_size, d = cache.shape
-    cache.view(kvh, num_blocks * block_size, d).index_copy_(1, slot_mapping, x.transpose(0, 1))
+    rows = x.transpose(0, 1).to(cache.dtype)
+    cache.view(kvh, num_blocks * block_size, d).index_copy_(1, slot_mapping, rows)
 
 
-def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """Reads whole blocks: [kvh, num_blocks, bs, d] -> [kvh, num_seqs, L, d]."""
+def gather_kv(
+    cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Reads whole blocks in ``dtype``: [kvh, num_blocks, bs, d] -> [kvh, num_seqs, L, d]."""
     kvh, _, block_size, d = cache.shape
-    return cache.index_select(1, block_ids).view(kvh, num_seqs, -1, d)
+    return cache.index_select(1, block_ids).view(kvh, num_seqs, -1, d).to(dtype)
+
+
+def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``x`` with the values ``cache`` holds once ``x`` is written there: a slice attending to
+    its own fresh keys sees what a later step reads back from a lower-precision cache."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
 def paged_attention(
@@ -200,8 +210,8 @@ def attend_decode_groups(
     group = num_heads // num_kv_heads
     for g in groups:
         rows = slice(g.start, g.start + g.num)
-        keys = gather_kv(k_cache, g.block_ids, g.num)  # [kvh, B, L, d]
-        values = gather_kv(v_cache, g.block_ids, g.num)
+        keys = gather_kv(k_cache, g.block_ids, g.num, q.dtype)  # [kvh, B, L, d]
+        values = gather_kv(v_cache, g.block_ids, g.num, q.dtype)
         # Query heads of one KV head form a group: [B, qh, d] -> [kvh, B, group, d].
         qd = q[rows].view(g.num, num_kv_heads, group, head_dim).transpose(0, 1)
         scores = torch.matmul(qd, keys.transpose(-1, -2)) * scale  # [kvh, B, group, L]
@@ -229,12 +239,12 @@ def attend_prefills(
         rows = slice(p.q_start, p.q_start + p.q_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, qh, S, d]
         if p.start_pos == 0:
-            kp = k[rows].transpose(0, 1).unsqueeze(0)  # [1, kvh, S, d]
-            vp = v[rows].transpose(0, 1).unsqueeze(0)
+            kp = as_stored(k[rows], k_cache).transpose(0, 1).unsqueeze(0)  # [1, kvh, S, d]
+            vp = as_stored(v[rows], v_cache).transpose(0, 1).unsqueeze(0)
         else:
             ctx = p.start_pos + p.q_len
-            kp = gather_kv(k_cache, p.block_ids, 1)[:, :, :ctx].transpose(0, 1)  # [1, kvh, C, d]
-            vp = gather_kv(v_cache, p.block_ids, 1)[:, :, :ctx].transpose(0, 1)
+            kp = gather_kv(k_cache, p.block_ids, 1, q.dtype)[:, :, :ctx].transpose(0, 1)
+            vp = gather_kv(v_cache, p.block_ids, 1, q.dtype)[:, :, :ctx].transpose(0, 1)
         mask = prefill_mask(p, sliding_window, softcap is not None, q.device)
         if softcap is None:
             o = F.scaled_dot_product_attention(

@@ -86,8 +86,8 @@ class DraftModelProposer:
             draft_shape = (draft.num_kv_heads, shape[1], shape[2], draft.head_dim)
             self.kv_caches = [
                 (
-                    torch.zeros(draft_shape, device=runner.device),
-                    torch.zeros(draft_shape, device=runner.device),
+                    torch.zeros(draft_shape, dtype=runner.kv_dtype, device=runner.device),
+                    torch.zeros(draft_shape, dtype=runner.kv_dtype, device=runner.device),
                 )
                 for _ in range(draft.num_layers)
             ]

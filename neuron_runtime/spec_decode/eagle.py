@@ -216,8 +216,8 @@ class EagleProposer:
         shape = runner.kv_caches[0][0].shape  # [kvh, num_blocks, block_size, head_dim]
         cache_shape = (kv_heads, shape[1], shape[2], head_dim)
         self.kv_cache = (
-            torch.zeros(cache_shape, device=runner.device),
-            torch.zeros(cache_shape, device=runner.device),
+            torch.zeros(cache_shape, dtype=runner.kv_dtype, device=runner.device),
+            torch.zeros(cache_shape, dtype=runner.kv_dtype, device=runner.device),
         )
         # req_id -> (first position, the target's hidden states from there on) not yet
         # consumed by the head; rows past num_computed_tokens (rejected drafts) are dropped.

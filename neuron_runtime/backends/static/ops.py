@@ -75,8 +75,9 @@ class StaticOps(Ops):
         group = num_heads // kv_heads
         context = meta.block_tables.shape[1] * block_size
         table = meta.block_tables.reshape(-1)
-        keys = k_cache.index_select(1, table).view(kv_heads, num_seqs, 1, context, head_dim)
-        values = v_cache.index_select(1, table).view(kv_heads, num_seqs, 1, context, head_dim)
+        shape = (kv_heads, num_seqs, 1, context, head_dim)
+        keys = k_cache.index_select(1, table).view(shape).to(q.dtype)
+        values = v_cache.index_select(1, table).view(shape).to(q.dtype)
         # [S*Q, qh, d] -> [kvh, S, group, Q, d]
         qg = q.view(num_seqs, num_tokens, kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)
         scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [kvh, S, group, Q, C]

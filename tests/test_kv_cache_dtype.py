@@ -1,0 +1,269 @@
+"""``kv_cache_dtype="bfloat16"``: keys and values stored rounded to bf16, read back widened.
+
+References: torch's own rounding (``Tensor.to``), the same kernels on an fp32 cache holding the
+same values, the torch ops path, the fp32-cache engine and transformers' fp32 model on the
+same weights.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_cpu_decode_step import generate_both_ways
+from test_cpu_kernels import ATOL
+from test_kv_transfer import PROMPTS, batch, continue_all, engine, greedy, hand_off, run_all
+from test_llama_vs_hf import hf_greedy, hf_model
+
+from neuron_runtime import LLM, EngineArgs, SamplingParams
+from neuron_runtime.backends import cpu
+from neuron_runtime.backends.cpu_ops import CPUKernelOps, KernelAttentionMetadata
+from neuron_runtime.backends.ops import TORCH_OPS
+from neuron_runtime.config import ModelConfig
+from neuron_runtime.kv_budget import num_kv_blocks
+from neuron_runtime.kv_transfer import KVTransferError, model_fingerprint
+from neuron_runtime.layers.attention import (
+    AttentionMetadata,
+    PrefillSlice,
+    decode_groups,
+    write_kv,
+)
+
+DEFAULT = "smollm2-135m-instruct"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def same_bf16(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bits, NaN payloads aside (any NaN is a NaN)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(bits(a)[~nan], bits(b)[~nan])
+
+
+def test_write_kv_rounds_as_torch_does(k):
+    """Random values, exact ties (to even), NaN, infinities, signed zeros and denormals."""
+    g = torch.Generator().manual_seed(1)
+    rows, kvh, heads, d, bs, num_blocks = 9, 2, 4, 64, 4, 8
+    qkv = torch.randn(rows, heads + 2 * kvh, d, generator=g)
+    special = torch.tensor(
+        [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), float("nan"), float("inf"), -float("inf"),
+         -0.0, 1e-40, 3.0e38, 1 + 2**-9]
+    )  # fmt: skip
+    qkv[0, heads, : len(special)] = special
+    qkv[1, heads + kvh, : len(special)] = special
+    kk, vv = qkv[:, heads : heads + kvh], qkv[:, heads + kvh :]  # strided rows
+    slots = torch.tensor(random.Random(2).sample(range(num_blocks * bs), rows))
+    caches = []
+    for fused in (None, k):
+        kc = torch.zeros(kvh, num_blocks, bs, d, dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        if fused is None:
+            write_kv(kc, slots, kk)
+            write_kv(vc, slots, vv)
+        else:
+            fused.write_kv(kk, vv, kc, vc, slots)
+        caches.append((kc, vc))
+    (tk, tv), (fk, fv) = caches
+    assert same_bf16(tk, fk) and same_bf16(tv, fv)
+    assert fk.isnan().sum() == 1 and fk.isinf().sum() == 2
+    # The rounding happened: ties went to even, and the cache is not the fp32 values.
+    flat = fk.view(kvh, -1, d)[0, slots[0], :3].float()
+    assert flat.tolist() == [1.0, 1 + 4 * 2**-8, -1.0]
+
+
+@pytest.mark.parametrize("d", [64, 128, 48, 20])  # constant sizes, any whole vectors, scalar
+@pytest.mark.parametrize("window,softcap", [(None, None), (7, None), (None, 30.0)])
+def test_decode_attention_on_a_bf16_cache_is_the_fp32_cache_of_its_values(k, d, window, softcap):
+    rng = random.Random(d)
+    g = torch.Generator().manual_seed(d)
+    kv_heads, heads, bs, num_blocks = 2, 6, 16, 64
+    k_cache = torch.randn(kv_heads, num_blocks, bs, d, generator=g).bfloat16()
+    v_cache = torch.randn(kv_heads, num_blocks, bs, d, generator=g).bfloat16()
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    lens = [rng.randint(1, 90) for _ in range(9)] + [1, 16, 17]
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), heads + 2 * kv_heads, d, generator=g)[:, :heads]
+    args = (padded, torch.tensor(lens), d**-0.5, window, softcap)
+    got = k.decode_attention(q, k_cache, v_cache, *args)
+    expected = k.decode_attention(q, k_cache.float(), v_cache.float(), *args)
+    # The same sums; -ffast-math lets the compiler contract and order each variant's its own
+    # way, so they agree to fp32 rounding (bf16's own error would be ~1e-3).
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_paged_attention_on_bf16_caches_kernels_equal_torch_path(k):
+    """A mixed step (decodes, a prefill after cached tokens, a fresh prefill) both ways."""
+    torch.manual_seed(6)
+    kvh, heads, d, bs, num_blocks = 2, 4, 16, 4, 64
+    base_k = torch.randn(kvh, num_blocks, bs, d).bfloat16()
+    base_v = torch.randn(kvh, num_blocks, bs, d).bfloat16()
+    lens = [3, 9, 9, 20]
+    tables = [[4 * i + j for j in range(-(-n // bs))] for i, n in enumerate(lens)]
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)]
+    slots += [40 * bs + 2 + j for j in range(6)]  # 6 tokens after 2 cached ones
+    slots += [50 * bs + j for j in range(5)]  # a prompt's first 5 tokens
+    prefills = [
+        PrefillSlice(len(lens), 6, 2, torch.tensor([40, 41, 42])),
+        PrefillSlice(len(lens) + 6, 5, 0, torch.tensor([50, 51])),
+    ]
+    rows = len(slots)
+    q, kk, vv = torch.randn(rows, heads, d), torch.randn(rows, kvh, d), torch.randn(rows, kvh, d)
+    slot_mapping = torch.tensor(slots)
+    outs = []
+    for fused in (None, k):
+        k_cache, v_cache = base_k.clone(), base_v.clone()
+        if fused is None:
+            groups = decode_groups(tables, lens, bs)
+            meta = AttentionMetadata(slot_mapping, len(lens), prefills, decode_groups=groups)
+            ops = TORCH_OPS
+        else:
+            width = max(len(t) for t in tables)
+            meta = KernelAttentionMetadata(
+                slot_mapping,
+                len(lens),
+                prefills,
+                decode_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                decode_lens=torch.tensor(lens),
+            )
+            ops = CPUKernelOps(fused)
+        out = ops.attention(q, kk, vv, k_cache, v_cache, meta, d**-0.5, None, None)
+        outs.append((out, k_cache, v_cache))
+    (torch_out, torch_k, torch_v), (fused_out, fused_k, fused_v) = outs
+    assert torch.equal(bits(torch_k), bits(fused_k)) and torch.equal(bits(torch_v), bits(fused_v))
+    torch.testing.assert_close(fused_out, torch_out, atol=ATOL, rtol=1e-5)
+
+
+def test_a_bf16_cache_holds_twice_the_tokens_of_a_budget():
+    configs = {
+        dtype: EngineArgs(
+            model=DEFAULT, max_model_len=256, kv_cache_memory_bytes=64 << 20, kv_cache_dtype=dtype
+        ).create_engine_config()
+        for dtype in ("float32", "bfloat16")
+    }
+    assert num_kv_blocks(configs["bfloat16"]) == 2 * num_kv_blocks(configs["float32"])
+    auto = EngineArgs(model=DEFAULT, max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    assert auto.create_engine_config().model.kv_cache_dtype == "float32"
+    # "auto" follows dtype, as vLLM's does (the bf16 linear layers need AVX512_BF16 to run,
+    # not to be configured).
+    auto.dtype = "bfloat16"
+    assert auto.create_engine_config().model.kv_cache_dtype == "bfloat16"
+
+
+def test_unknown_kv_cache_dtype_is_refused():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of float32, bfloat16"):
+        EngineArgs(model=DEFAULT, max_model_len=256, kv_cache_dtype="float16").create_engine_config()
+
+
+def test_kv_cache_dtypes_fingerprint_their_kv_apart():
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8}
+    fp32 = ModelConfig(path="here", hf_config=config, max_model_len=8)
+    bf16 = ModelConfig(path="here", hf_config=config, max_model_len=8, kv_cache_dtype="bfloat16")
+    assert model_fingerprint(fp32) != model_fingerprint(bf16)
+
+
+@pytest.fixture(scope="module")
+def bf16_cache_llm() -> LLM:
+    return LLM(model=DEFAULT, max_model_len=256, kv_cache_dtype="bfloat16", block_size=8)
+
+
+def test_decode_step_is_the_modules_bits_on_a_bf16_cache(bf16_cache_llm):
+    runner = bf16_cache_llm.engine.runner
+    assert all(c.dtype == torch.bfloat16 for layer in runner.kv_caches for c in layer)
+    both = generate_both_ways(bf16_cache_llm, max_tokens=12)
+    assert both.compared >= 8 and not both.mismatches, both.mismatches
+
+
+def test_a_prefix_hit_reads_the_cached_bf16_keys(bf16_cache_llm):
+    """After a prefix-cache hit the prompt's suffix attends to the prefix's bf16 keys read
+    back from the cache; without the hit, to the same keys rounded on the spot. The tokens
+    agree, and the logprobs to within bf16 rounding: an fp32 difference of one part in 1e7
+    between the two paths can tip a key to the neighbouring bf16 value (one part in 256)."""
+    tok = bf16_cache_llm.get_tokenizer()
+    prompt = tok.encode(PROMPTS[3] + " " + PROMPTS[2])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    cold = LLM(
+        model=DEFAULT,
+        max_model_len=256,
+        kv_cache_dtype="bfloat16",
+        block_size=8,
+        enable_prefix_caching=False,
+    ).generate([{"prompt_token_ids": prompt}], params)[0]
+    bf16_cache_llm.generate([{"prompt_token_ids": prompt[:40]}], greedy(1))  # caches 5 blocks
+    hit = bf16_cache_llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    assert hit.num_cached_tokens == 40
+
+    def logprobs(out) -> torch.Tensor:  # noqa: ANN001
+        completion = out.outputs[0]
+        steps = zip(completion.token_ids, completion.logprobs, strict=True)
+        return torch.tensor([step[token] for token, step in steps])
+
+    assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert (logprobs(hit) - logprobs(cold)).abs().max() < 2e-2
+
+
+def test_torch_ops_on_a_bf16_cache_give_the_kernels_tokens(monkeypatch, bf16_cache_llm):
+    tok = bf16_cache_llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok.encode(p)} for p in PROMPTS[:4]]
+    expected = bf16_cache_llm.generate(prompts, greedy(16))
+    monkeypatch.setattr(cpu, "kernels", lambda: None)
+    llm = LLM(model=DEFAULT, max_model_len=256, kv_cache_dtype="bfloat16", block_size=8)
+    assert llm.engine.runner.ops is TORCH_OPS
+    for got, want in zip(llm.generate(prompts, greedy(16)), expected, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_bf16_cache_stays_close_to_transformers_fp32(default_model_path):
+    """Prompt logprobs and greedy tokens against transformers' fp32 model on the same weights;
+    the fp32-cache engine is the yardstick."""
+    ref = hf_model(default_model_path)
+    engines = {
+        dtype: LLM(model=DEFAULT, max_model_len=512, num_threads=2, kv_cache_dtype=dtype)
+        for dtype in ("float32", "bfloat16")
+    }
+    tok = engines["float32"].get_tokenizer()
+    prompts = [tok.encode(t) for t in PROMPTS[1:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    error: dict[str, float] = {}
+    for dtype, llm in engines.items():
+        worst = 0.0
+        for ids, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params), strict=True):
+            with torch.inference_mode():
+                logits = ref(torch.tensor([ids])).logits[0].double()
+            expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
+            steps = out.prompt_logprobs
+            got = torch.tensor([s[ids[i]] for i, s in enumerate(steps) if s is not None])
+            worst = max(worst, (got.double() - expected).abs().max().item())
+        error[dtype] = worst
+    assert error["float32"] < 1e-3
+    # Keys and values keep 8 mantissa bits: a logprob moves by up to a few hundredths of a nat.
+    assert 10 * error["float32"] < error["bfloat16"] < 0.1
+    greedy8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = engines["bfloat16"].generate([{"prompt_token_ids": p} for p in prompts], greedy8)
+    for ids, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(ref, ids, 8)
+
+
+def test_handoff_between_bf16_cache_engines_equals_one_engine(default_model_path):
+    """The payload carries the cache's values in fp32 exactly; the decode engine stores them
+    back without rounding. An fp32-cache engine refuses that KV."""
+    prefill = engine(default_model_path, kv_cache_dtype="bfloat16")
+    decode = engine(default_model_path, kv_cache_dtype="bfloat16", block_size=8, num_kv_blocks=256)
+    reference = engine(default_model_path, kv_cache_dtype="bfloat16")
+    params = [greedy(8 + 4 * i) for i in range(len(PROMPTS))]
+    expected = run_all(reference, batch("r", PROMPTS, params))
+    pre = hand_off(prefill, PROMPTS, params)
+    payload = pre[0].kv_handoff.kv
+    assert torch.equal(torch.from_numpy(payload.kv).bfloat16().float(), torch.from_numpy(payload.kv))
+    dec = continue_all(decode, PROMPTS, params, [pre[i].kv_handoff for i in pre])
+    for i in range(len(PROMPTS)):
+        assert dec[i].outputs[0].token_ids == expected[f"r{i}"].outputs[0].token_ids, PROMPTS[i]
+    fp32 = engine(default_model_path)
+    with pytest.raises(KVTransferError, match="config_hash"):
+        payload.check(fp32.config.model, pre[0].prompt_token_ids)
