@@ -40,6 +40,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=list(DTYPES),
         help="what the linear layers compute in (bfloat16: CPUs with AVX512_BF16)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="what the KV cache stores (auto: --dtype's)",
+    )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -58,6 +64,7 @@ def _engine(args: argparse.Namespace) -> AsyncEngine:
             num_threads=args.num_threads,
             graph_mode=args.graph_mode,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
 

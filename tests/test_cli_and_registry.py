@@ -12,15 +12,24 @@ from neuron_runtime import LLM, SamplingParams
 from neuron_runtime.backends import cpu_kernels
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cli_generate_prints_the_offline_greedy_text(tiny_llama_path, dtype):
+@pytest.mark.parametrize(
+    "dtype,kv_cache_dtype",
+    [("float32", "auto"), ("bfloat16", "auto"), ("float32", "bfloat16"), ("bfloat16", "float32")],
+)
+def test_cli_generate_prints_the_offline_greedy_text(tiny_llama_path, dtype, kv_cache_dtype):
     fused = cpu_kernels.kernels()
     if dtype == "bfloat16" and (fused is None or not fused.has_bf16):
         pytest.skip("this CPU has no AVX512_BF16")
     prompt = "Once upon a time"
+    llm = LLM(
+        model=str(tiny_llama_path),
+        max_model_len=256,
+        num_kv_blocks=32,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     expected = (
-        LLM(model=str(tiny_llama_path), max_model_len=256, num_kv_blocks=32, dtype=dtype)
-        .generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0]
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0]
         .outputs[0]
         .text
     )
@@ -40,6 +49,8 @@ def test_cli_generate_prints_the_offline_greedy_text(tiny_llama_path, dtype):
             "8",
             "--dtype",
             dtype,
+            "--kv-cache-dtype",
+            kv_cache_dtype,
         ],
         capture_output=True,
         text=True,
