@@ -13,7 +13,12 @@ from neuron_runtime import LLM, SamplingParams
 from neuron_runtime.backends import cpu, cpu_kernels
 from neuron_runtime.backends.cpu_ops import CPUKernelOps, KernelAttentionMetadata
 from neuron_runtime.backends.ops import TORCH_OPS
-from neuron_runtime.layers.attention import AttentionMetadata, PrefillSlice, decode_groups
+from neuron_runtime.layers.attention import (
+    AttentionMetadata,
+    DecodeRows,
+    PrefillSlice,
+    decode_groups,
+)
 from neuron_runtime.layers.linear import Linear
 from neuron_runtime.layers.rotary import apply_rotary
 
@@ -189,15 +194,11 @@ def test_paged_attention_with_kernels_equals_torch_path(k):
         if fused is None:
             groups = decode_groups(tables, lens, bs)
             meta = AttentionMetadata(slot_mapping, len(lens), [prefill], decode_groups=groups)
-        else:
-            width = max(len(t) for t in tables)
-            meta = KernelAttentionMetadata(
-                slot_mapping,
-                len(lens),
-                [prefill],
-                decode_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                decode_lens=torch.tensor(lens),
+        else:  # the prefill slice's rows attend in the decodes' kernel call
+            meta = CPUKernelOps(fused).attention_metadata(
+                slots, DecodeRows(tables, lens), [prefill], bs, torch.device("cpu")
             )
+            assert isinstance(meta, KernelAttentionMetadata) and not meta.prefills
         ops = TORCH_OPS if fused is None else CPUKernelOps(fused)
         out = ops.attention(q, kk, vv, k_cache, v_cache, meta, d**-0.5, None, None)
         outs.append((out, k_cache, v_cache))
@@ -260,14 +261,16 @@ def test_speculative_slice_as_decode_rows_equals_its_causal_prefill(k):
     prefill = PrefillSlice(0, n, start, torch.tensor(table))
     meta = AttentionMetadata(slot_mapping, 0, [prefill])
     expected = TORCH_OPS.attention(q, kk, vv, k_cache, v_cache, meta, d**-0.5, None, None)
-    k_cache, v_cache = base_k.clone(), base_v.clone()
-    meta = KernelAttentionMetadata(
-        slot_mapping,
-        n,
-        [],
-        decode_tables=torch.tensor([table] * n),
-        decode_lens=torch.tensor([start + 1 + i for i in range(n)]),
-    )
     assert CPUKernelOps.decode_rows_any_order
-    out = CPUKernelOps(k).attention(q, kk, vv, k_cache, v_cache, meta, d**-0.5, None, None)
-    torch.testing.assert_close(out, expected, atol=ATOL, rtol=1e-5)
+    ops, cpu_device = CPUKernelOps(k), torch.device("cpu")
+    rows = DecodeRows([table] * n, [start + 1 + i for i in range(n)])
+    outs = []
+    for meta in (
+        ops.attention_metadata(slots, rows, [], bs, cpu_device),
+        ops.attention_metadata(slots, DecodeRows([], []), [prefill], bs, cpu_device),
+    ):
+        k_cache, v_cache = base_k.clone(), base_v.clone()
+        outs.append(ops.attention(q, kk, vv, k_cache, v_cache, meta, d**-0.5, None, None))
+    torch.testing.assert_close(outs[0], expected, atol=ATOL, rtol=1e-5)
+    # The slice as a prompt's prefill takes the same kernel rows: the same bits.
+    assert torch.equal(outs[0], outs[1])

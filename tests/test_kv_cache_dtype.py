@@ -18,13 +18,14 @@ from test_llama_vs_hf import hf_greedy, hf_model
 
 from neuron_runtime import LLM, EngineArgs, SamplingParams
 from neuron_runtime.backends import cpu
-from neuron_runtime.backends.cpu_ops import CPUKernelOps, KernelAttentionMetadata
+from neuron_runtime.backends.cpu_ops import CPUKernelOps
 from neuron_runtime.backends.ops import TORCH_OPS
 from neuron_runtime.config import ModelConfig
 from neuron_runtime.kv_budget import num_kv_blocks
 from neuron_runtime.kv_transfer import KVTransferError, model_fingerprint
 from neuron_runtime.layers.attention import (
     AttentionMetadata,
+    DecodeRows,
     PrefillSlice,
     decode_groups,
     write_kv,
@@ -123,15 +124,10 @@ def test_paged_attention_on_bf16_caches_kernels_equal_torch_path(k):
             meta = AttentionMetadata(slot_mapping, len(lens), prefills, decode_groups=groups)
             ops = TORCH_OPS
         else:
-            width = max(len(t) for t in tables)
-            meta = KernelAttentionMetadata(
-                slot_mapping,
-                len(lens),
-                prefills,
-                decode_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                decode_lens=torch.tensor(lens),
-            )
             ops = CPUKernelOps(fused)
+            meta = ops.attention_metadata(
+                slots, DecodeRows(tables, lens), prefills, bs, torch.device("cpu")
+            )
         out = ops.attention(q, kk, vv, k_cache, v_cache, meta, d**-0.5, None, None)
         outs.append((out, k_cache, v_cache))
     (torch_out, torch_k, torch_v), (fused_out, fused_k, fused_v) = outs
