@@ -29,9 +29,7 @@ def test_cli_generate_prints_the_offline_greedy_text(tiny_llama_path, dtype, kv_
         kv_cache_dtype=kv_cache_dtype,
     )
     expected = (
-        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0]
-        .outputs[0]
-        .text
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
     )
     proc = subprocess.run(
         [

@@ -153,7 +153,9 @@ def test_a_bf16_cache_holds_twice_the_tokens_of_a_budget():
 
 def test_unknown_kv_cache_dtype_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of float32, bfloat16"):
-        EngineArgs(model=DEFAULT, max_model_len=256, kv_cache_dtype="float16").create_engine_config()
+        EngineArgs(
+            model=DEFAULT, max_model_len=256, kv_cache_dtype="float16"
+        ).create_engine_config()
 
 
 def test_kv_cache_dtypes_fingerprint_their_kv_apart():
@@ -229,7 +231,9 @@ def test_bf16_cache_stays_close_to_transformers_fp32(default_model_path):
     error: dict[str, float] = {}
     for dtype, llm in engines.items():
         worst = 0.0
-        for ids, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params), strict=True):
+        for ids, out in zip(
+            prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params), strict=True
+        ):
             with torch.inference_mode():
                 logits = ref(torch.tensor([ids])).logits[0].double()
             expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
@@ -256,7 +260,9 @@ def test_handoff_between_bf16_cache_engines_equals_one_engine(default_model_path
     expected = run_all(reference, batch("r", PROMPTS, params))
     pre = hand_off(prefill, PROMPTS, params)
     payload = pre[0].kv_handoff.kv
-    assert torch.equal(torch.from_numpy(payload.kv).bfloat16().float(), torch.from_numpy(payload.kv))
+    assert torch.equal(
+        torch.from_numpy(payload.kv).bfloat16().float(), torch.from_numpy(payload.kv)
+    )
     dec = continue_all(decode, PROMPTS, params, [pre[i].kv_handoff for i in pre])
     for i in range(len(PROMPTS)):
         assert dec[i].outputs[0].token_ids == expected[f"r{i}"].outputs[0].token_ids, PROMPTS[i]
