@@ -1,8 +1,10 @@
 """``dtype="bfloat16"``: the linear layers and the logits head on bf16 panels (VDPBF16PS, fp32
 sums) where the CPU has AVX512_BF16, checked against float64 products of the same bf16 values
-and, for the whole engine, against transformers' fp32 model on the same weights.
+and, for the whole engine, against transformers' fp32 model on the same weights (so is an
+engine with a bf16 KV cache, ``kv_cache_dtype``).
 
-On a CPU without AVX512_BF16 the kernel and engine tests skip; the refusals run everywhere.
+On a CPU without AVX512_BF16 the bf16 panel tests skip; the refusals and the KV cache's run
+everywhere.
 """
 
 from __future__ import annotations
@@ -99,14 +101,40 @@ def prompt_token_logprobs(out) -> list[float]:  # noqa: ANN001
     return [step[ids[i]] for i, step in enumerate(out.prompt_logprobs) if step is not None]
 
 
-@needs_bf16
+def worst_prompt_logprob_error(ref, llm: LLM, prompts: list[list[int]]) -> float:  # noqa: ANN001
+    """The largest distance between the engine's prompt-token logprobs and those of
+    transformers' model ``ref`` (float64 log-softmax of its logits), over ``prompts``."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    worst = 0.0
+    for ids, out in zip(prompts, outputs, strict=True):
+        with torch.inference_mode():
+            logits = ref(torch.tensor([ids])).logits[0].double()
+        expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
+        got = torch.tensor(prompt_token_logprobs(out), dtype=torch.float64)
+        worst = max(worst, (got - expected).abs().max().item())
+    return worst
+
+
 @pytest.mark.slow
-def test_bf16_engine_stays_close_to_transformers_fp32(default_model_path):
-    """The default model's prompt logprobs and greedy tokens with bf16 linear layers, against
-    transformers' fp32 model on the same weights; the fp32 engine is the yardstick."""
+@pytest.mark.parametrize(
+    "knob,bound,tokens",
+    [
+        # bf16 inputs and weights (8 mantissa bits; the KV cache follows dtype, "auto")
+        ("dtype", 0.25, 4),
+        # fp32 linear layers, keys and values stored in bf16 (test_kv_cache_dtype.py)
+        ("kv_cache_dtype", 0.1, 8),
+    ],
+)
+def test_bf16_engine_stays_close_to_transformers_fp32(default_model_path, knob, bound, tokens):
+    """The default model's prompt logprobs and greedy tokens with bf16 linear layers or a bf16
+    KV cache, against transformers' fp32 model on the same weights; the fp32 engine is the
+    yardstick."""
+    if knob == "dtype" and (FUSED is None or not FUSED.has_bf16):
+        pytest.skip("this CPU has no AVX512_BF16")
     ref = hf_model(default_model_path)
     engines = {
-        dtype: LLM(model="smollm2-135m-instruct", max_model_len=512, num_threads=2, dtype=dtype)
+        dtype: LLM(model="smollm2-135m-instruct", max_model_len=512, num_threads=2, **{knob: dtype})
         for dtype in ("float32", "bfloat16")
     }
     tok = engines["float32"].get_tokenizer()
@@ -116,24 +144,13 @@ def test_bf16_engine_stays_close_to_transformers_fp32(default_model_path):
         "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     ]
     prompts = [tok.encode(t) for t in texts]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    error: dict[str, float] = {}
-    for dtype, llm in engines.items():
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        worst = 0.0
-        for ids, out in zip(prompts, outputs, strict=True):
-            with torch.inference_mode():
-                logits = ref(torch.tensor([ids])).logits[0].double()
-            expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
-            got = torch.tensor(prompt_token_logprobs(out), dtype=torch.float64)
-            worst = max(worst, (got - expected).abs().max().item())
-        error[dtype] = worst
+    error = {dtype: worst_prompt_logprob_error(ref, llm, prompts) for dtype, llm in engines.items()}
     assert error["float32"] < 1e-3
-    # bf16 inputs and weights (8 mantissa bits) move a logprob by a few hundredths of a nat,
-    # far more than fp32's reordered sums and far less than a wrong layer would.
-    assert 10 * error["float32"] < error["bfloat16"] < 0.25
-    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    # 8 mantissa bits move a logprob by a few hundredths of a nat, far more than fp32's
+    # reordered sums and far less than a wrong layer would.
+    assert 10 * error["float32"] < error["bfloat16"] < bound
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     outputs = engines["bfloat16"].generate([{"prompt_token_ids": p} for p in prompts], greedy)
     # Clear greedy picks survive the rounding: the first tokens are transformers' fp32 ones.
     for ids, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(ref, ids, 4)
+        assert out.outputs[0].token_ids == hf_greedy(ref, ids, tokens)

@@ -173,18 +173,23 @@ def test_decode_attention_matches_attention_per_sequence(k, heads, kv_heads, win
         torch.testing.assert_close(out[i], expected, atol=ATOL, rtol=1e-5)
 
 
-def test_paged_attention_with_kernels_equals_torch_path(k):
-    """A mixed step (decodes then a prefill slice) through both paths of ``paged_attention``."""
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_with_kernels_equals_torch_path(k, cache_dtype):
+    """A mixed step (decodes, a prefill after cached tokens, a prompt's first slice) through
+    both paths of ``paged_attention``, on an fp32 cache and a bf16 one (kv_cache_dtype)."""
     torch.manual_seed(6)
-    kvh, heads, d, bs, num_blocks = 2, 4, 8, 4, 64
-    base_k = torch.randn(kvh, num_blocks, bs, d)
-    base_v = torch.randn(kvh, num_blocks, bs, d)
+    kvh, heads, d, bs, num_blocks = 2, 4, 16, 4, 64
+    base_k = torch.randn(kvh, num_blocks, bs, d).to(cache_dtype)
+    base_v = torch.randn(kvh, num_blocks, bs, d).to(cache_dtype)
     lens = [3, 9, 9, 20]  # decodes, sorted by length as the runner sorts them
     tables = [[4 * i + j for j in range(-(-n // bs))] for i, n in enumerate(lens)]
-    prefill_table = torch.tensor([40, 41, 42])
     slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)]
-    slots += [40 * bs + 2 + j for j in range(6)]  # prefill: 6 tokens after 2 cached ones
-    prefill = PrefillSlice(len(lens), 6, 2, prefill_table)
+    slots += [40 * bs + 2 + j for j in range(6)]  # 6 tokens after 2 cached ones
+    slots += [50 * bs + j for j in range(5)]  # a prompt's first 5 tokens
+    prefills = [
+        PrefillSlice(len(lens), 6, 2, torch.tensor([40, 41, 42])),
+        PrefillSlice(len(lens) + 6, 5, 0, torch.tensor([50, 51])),
+    ]
     rows = len(slots)
     q, kk, vv = torch.randn(rows, heads, d), torch.randn(rows, kvh, d), torch.randn(rows, kvh, d)
     slot_mapping = torch.tensor(slots)
@@ -193,10 +198,10 @@ def test_paged_attention_with_kernels_equals_torch_path(k):
         k_cache, v_cache = base_k.clone(), base_v.clone()
         if fused is None:
             groups = decode_groups(tables, lens, bs)
-            meta = AttentionMetadata(slot_mapping, len(lens), [prefill], decode_groups=groups)
-        else:  # the prefill slice's rows attend in the decodes' kernel call
+            meta = AttentionMetadata(slot_mapping, len(lens), prefills, decode_groups=groups)
+        else:  # the prefill slices' rows attend in the decodes' kernel call
             meta = CPUKernelOps(fused).attention_metadata(
-                slots, DecodeRows(tables, lens), [prefill], bs, torch.device("cpu")
+                slots, DecodeRows(tables, lens), prefills, bs, torch.device("cpu")
             )
             assert isinstance(meta, KernelAttentionMetadata) and not meta.prefills
         ops = TORCH_OPS if fused is None else CPUKernelOps(fused)

@@ -1,8 +1,9 @@
 """``kv_cache_dtype="bfloat16"``: keys and values stored rounded to bf16, read back widened.
 
 References: torch's own rounding (``Tensor.to``), the same kernels on an fp32 cache holding the
-same values, the torch ops path, the fp32-cache engine and transformers' fp32 model on the
-same weights.
+same values, the torch ops path and the fp32-cache engine; against transformers' fp32 model
+on the same weights in test_cpu_bf16.py (``test_bf16_engine_stays_close_to_transformers_fp32``),
+and both CPU attention paths on a bf16 cache in test_cpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -12,22 +13,15 @@ import random
 import pytest
 import torch
 from test_cpu_decode_step import generate_both_ways
-from test_cpu_kernels import ATOL
 from test_kv_transfer import PROMPTS, batch, continue_all, engine, greedy, hand_off, run_all
-from test_llama_vs_hf import hf_greedy, hf_model
 
 from neuron_runtime import LLM, EngineArgs, SamplingParams
 from neuron_runtime.backends import cpu
-from neuron_runtime.backends.cpu_ops import CPUKernelOps
 from neuron_runtime.backends.ops import TORCH_OPS
 from neuron_runtime.config import ModelConfig
 from neuron_runtime.kv_budget import num_kv_blocks
 from neuron_runtime.kv_transfer import KVTransferError, model_fingerprint
 from neuron_runtime.layers.attention import (
-    AttentionMetadata,
-    DecodeRows,
-    PrefillSlice,
-    decode_groups,
     write_kv,
 )
 
@@ -96,43 +90,6 @@ def test_decode_attention_on_a_bf16_cache_is_the_fp32_cache_of_its_values(k, d, 
     # The same sums; -ffast-math lets the compiler contract and order each variant's its own
     # way, so they agree to fp32 rounding (bf16's own error would be ~1e-3).
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-
-
-def test_paged_attention_on_bf16_caches_kernels_equal_torch_path(k):
-    """A mixed step (decodes, a prefill after cached tokens, a fresh prefill) both ways."""
-    torch.manual_seed(6)
-    kvh, heads, d, bs, num_blocks = 2, 4, 16, 4, 64
-    base_k = torch.randn(kvh, num_blocks, bs, d).bfloat16()
-    base_v = torch.randn(kvh, num_blocks, bs, d).bfloat16()
-    lens = [3, 9, 9, 20]
-    tables = [[4 * i + j for j in range(-(-n // bs))] for i, n in enumerate(lens)]
-    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)]
-    slots += [40 * bs + 2 + j for j in range(6)]  # 6 tokens after 2 cached ones
-    slots += [50 * bs + j for j in range(5)]  # a prompt's first 5 tokens
-    prefills = [
-        PrefillSlice(len(lens), 6, 2, torch.tensor([40, 41, 42])),
-        PrefillSlice(len(lens) + 6, 5, 0, torch.tensor([50, 51])),
-    ]
-    rows = len(slots)
-    q, kk, vv = torch.randn(rows, heads, d), torch.randn(rows, kvh, d), torch.randn(rows, kvh, d)
-    slot_mapping = torch.tensor(slots)
-    outs = []
-    for fused in (None, k):
-        k_cache, v_cache = base_k.clone(), base_v.clone()
-        if fused is None:
-            groups = decode_groups(tables, lens, bs)
-            meta = AttentionMetadata(slot_mapping, len(lens), prefills, decode_groups=groups)
-            ops = TORCH_OPS
-        else:
-            ops = CPUKernelOps(fused)
-            meta = ops.attention_metadata(
-                slots, DecodeRows(tables, lens), prefills, bs, torch.device("cpu")
-            )
-        out = ops.attention(q, kk, vv, k_cache, v_cache, meta, d**-0.5, None, None)
-        outs.append((out, k_cache, v_cache))
-    (torch_out, torch_k, torch_v), (fused_out, fused_k, fused_v) = outs
-    assert torch.equal(bits(torch_k), bits(fused_k)) and torch.equal(bits(torch_v), bits(fused_v))
-    torch.testing.assert_close(fused_out, torch_out, atol=ATOL, rtol=1e-5)
 
 
 def test_a_bf16_cache_holds_twice_the_tokens_of_a_budget():
@@ -214,40 +171,6 @@ def test_torch_ops_on_a_bf16_cache_give_the_kernels_tokens(monkeypatch, bf16_cac
     assert llm.engine.runner.ops is TORCH_OPS
     for got, want in zip(llm.generate(prompts, greedy(16)), expected, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
-
-
-@pytest.mark.slow
-def test_bf16_cache_stays_close_to_transformers_fp32(default_model_path):
-    """Prompt logprobs and greedy tokens against transformers' fp32 model on the same weights;
-    the fp32-cache engine is the yardstick."""
-    ref = hf_model(default_model_path)
-    engines = {
-        dtype: LLM(model=DEFAULT, max_model_len=512, num_threads=2, kv_cache_dtype=dtype)
-        for dtype in ("float32", "bfloat16")
-    }
-    tok = engines["float32"].get_tokenizer()
-    prompts = [tok.encode(t) for t in PROMPTS[1:4]]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    error: dict[str, float] = {}
-    for dtype, llm in engines.items():
-        worst = 0.0
-        for ids, out in zip(
-            prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params), strict=True
-        ):
-            with torch.inference_mode():
-                logits = ref(torch.tensor([ids])).logits[0].double()
-            expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]]
-            steps = out.prompt_logprobs
-            got = torch.tensor([s[ids[i]] for i, s in enumerate(steps) if s is not None])
-            worst = max(worst, (got.double() - expected).abs().max().item())
-        error[dtype] = worst
-    assert error["float32"] < 1e-3
-    # Keys and values keep 8 mantissa bits: a logprob moves by up to a few hundredths of a nat.
-    assert 10 * error["float32"] < error["bfloat16"] < 0.1
-    greedy8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outputs = engines["bfloat16"].generate([{"prompt_token_ids": p} for p in prompts], greedy8)
-    for ids, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(ref, ids, 8)
 
 
 def test_handoff_between_bf16_cache_engines_equals_one_engine(default_model_path):
