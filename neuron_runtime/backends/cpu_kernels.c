@@ -510,7 +510,7 @@ static inline __attribute__((always_inline)) void linear_block(const struct line
          * weights are read about as fast as they are used, and the hardware streams them.
          * Two bf16 tiles (9-16 rows, a decode batch) use half the bytes twice as fast: the
          * first would wait on memory while the second runs from L2, so both fetch the next
-         * panel into L2 (16 rows of SmolLM2's layers: 6-8% faster on 2 threads, AMD Zen 4;
+         * panel into L2 (16 rows of SmolLM2's layers: 5-7% faster on 2 threads, AMD Zen 4;
          * into L1, as more tiles do, it was no faster). */
         const int64_t tiles = (r1 - r0 + TILE_ROWS - 1) / TILE_ROWS;
         const int64_t lines = steps * PANEL / 16;
