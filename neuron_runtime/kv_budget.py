@@ -35,9 +35,7 @@ DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
 _DTYPE_BYTES = 4  # the engine loads weights in float32
 
 
-def kv_bytes_per_token(
-    num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = "float32"
-) -> int:
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
     """Bytes of K and V that one token takes across all layers, in a cache of ``dtype``."""
     return 2 * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
 

@@ -144,16 +144,20 @@ def reference_decode(q, keys, values, scale, window, softcap):
     return torch.einsum("hn,hnd->hd", scores.softmax(-1), values).float()
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])  # kv_cache_dtype
 @pytest.mark.parametrize("d", [8, 16, 64, 128, 256])  # scalar, vector and constant-size paths
 @pytest.mark.parametrize(
     "heads,kv_heads,window,softcap", [(6, 2, None, None), (4, 4, None, None), (6, 3, 5, 50.0)]
 )
-def test_decode_attention_matches_attention_per_sequence(k, heads, kv_heads, window, softcap, d):
+def test_decode_attention_matches_attention_per_sequence(
+    k, heads, kv_heads, window, softcap, d, cache_dtype
+):
+    """Against float64 attention over the cache's values (a bf16 cache's widened exactly)."""
     torch.manual_seed(5)
     rng = random.Random(5)
     bs, num_blocks = 4, 200
-    k_cache = torch.randn(kv_heads, num_blocks, bs, d)
-    v_cache = torch.randn(kv_heads, num_blocks, bs, d)
+    k_cache = torch.randn(kv_heads, num_blocks, bs, d).to(cache_dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, bs, d).to(cache_dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     lens = [rng.randint(1, 60) for _ in range(13)] + [1, 4, 5]
